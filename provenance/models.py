@@ -1,0 +1,175 @@
+"""SQL tables of the truth, memory and audit layers (SQLAlchemy 2 declarative models).
+
+SQL is the source of truth. The vector index only mirrors what a committed epoch made visible.
+A version is visible at epoch E iff ``valid_from_epoch <= E < valid_to_epoch``; an open version
+has ``valid_to_epoch == OPEN_EPOCH`` so the same range test works in SQL and in vector filters.
+"""
+
+from datetime import UTC, datetime
+from typing import Any, ClassVar
+
+from sqlalchemy import (
+    JSON,
+    BigInteger,
+    DateTime,
+    ForeignKey,
+    ForeignKeyConstraint,
+    Index,
+    Integer,
+    LargeBinary,
+    String,
+    Text,
+    UniqueConstraint,
+)
+from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
+
+# Largest epoch a signed 64-bit payload can hold: "never closed".
+OPEN_EPOCH = 2**63 - 1
+
+
+def utcnow() -> datetime:
+    return datetime.now(UTC)
+
+
+class Base(DeclarativeBase):
+    type_annotation_map: ClassVar = {dict[str, Any]: JSON, list[Any]: JSON}
+
+
+class Tenant(Base):
+    __tablename__ = "tenants"
+    id: Mapped[str] = mapped_column(String(64), primary_key=True)
+    name: Mapped[str] = mapped_column(String(200))
+    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+
+
+class ApiKey(Base):
+    __tablename__ = "api_keys"
+    id: Mapped[str] = mapped_column(String(32), primary_key=True)
+    tenant_id: Mapped[str] = mapped_column(ForeignKey("tenants.id"), index=True)
+    # BLAKE3 of the secret; the secret itself is shown once and never stored.
+    key_hash: Mapped[str] = mapped_column(String(64), unique=True)
+    scopes: Mapped[list[Any]] = mapped_column(JSON)
+    name: Mapped[str] = mapped_column(String(200), default="")
+    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+    revoked_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
+
+
+class Epoch(Base):
+    """One commit of the truth store. Every ingestion commit adds exactly one row."""
+
+    __tablename__ = "epochs"
+    epoch: Mapped[int] = mapped_column(BigInteger().with_variant(Integer, "sqlite"), primary_key=True, autoincrement=False)
+    committed_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow, index=True)
+    tenant_id: Mapped[str | None] = mapped_column(String(64))
+    job_id: Mapped[str | None] = mapped_column(String(32))
+    summary: Mapped[dict[str, Any]] = mapped_column(JSON, default=dict)
+
+
+class Source(Base):
+    __tablename__ = "sources"
+    tenant_id: Mapped[str] = mapped_column(ForeignKey("tenants.id"), primary_key=True)
+    id: Mapped[str] = mapped_column(String(512), primary_key=True)
+    uri: Mapped[str] = mapped_column(Text)
+    kind: Mapped[str] = mapped_column(String(32))
+    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+
+
+class SourceVersion(Base):
+    __tablename__ = "source_versions"
+    __table_args__ = (
+        ForeignKeyConstraint(["tenant_id", "source_id"], ["sources.tenant_id", "sources.id"]),
+        Index("ix_source_versions_visibility", "tenant_id", "valid_from_epoch", "valid_to_epoch"),
+    )
+    tenant_id: Mapped[str] = mapped_column(String(64), primary_key=True)
+    source_id: Mapped[str] = mapped_column(String(512), primary_key=True)
+    version: Mapped[int] = mapped_column(Integer, primary_key=True)
+    content_hash: Mapped[str] = mapped_column(String(64))
+    valid_from_epoch: Mapped[int] = mapped_column(BigInteger)
+    valid_to_epoch: Mapped[int] = mapped_column(BigInteger, default=OPEN_EPOCH)
+    ingested_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+    # active | superseded | deprecated | deleted
+    status: Mapped[str] = mapped_column(String(16), default="active")
+    title: Mapped[str] = mapped_column(Text, default="")
+    meta: Mapped[dict[str, Any]] = mapped_column("metadata", JSON, default=dict)
+
+
+class Chunk(Base):
+    __tablename__ = "chunks"
+    __table_args__ = (
+        ForeignKeyConstraint(
+            ["tenant_id", "source_id", "version"],
+            ["source_versions.tenant_id", "source_versions.source_id", "source_versions.version"],
+        ),
+        UniqueConstraint("tenant_id", "source_id", "version", "ordinal"),
+    )
+    # Deterministic UUID from (tenant, source, version, ordinal): a re-run writes the same ids,
+    # so a crashed ingestion converges instead of duplicating chunks or vector points.
+    id: Mapped[str] = mapped_column(String(36), primary_key=True)
+    tenant_id: Mapped[str] = mapped_column(String(64))
+    source_id: Mapped[str] = mapped_column(String(512))
+    version: Mapped[int] = mapped_column(Integer)
+    ordinal: Mapped[int] = mapped_column(Integer)
+    text: Mapped[str] = mapped_column(Text)
+    chunk_hash: Mapped[str] = mapped_column(String(64), index=True)
+    token_count: Mapped[int] = mapped_column(Integer)
+    char_start: Mapped[int] = mapped_column(Integer)
+    char_end: Mapped[int] = mapped_column(Integer)
+
+
+class Embedding(Base):
+    """One vector per (chunk text hash, embedding model): identical chunks are embedded once."""
+
+    __tablename__ = "embeddings"
+    chunk_hash: Mapped[str] = mapped_column(String(64), primary_key=True)
+    model_id: Mapped[str] = mapped_column(String(128), primary_key=True)
+    vector: Mapped[bytes] = mapped_column(LargeBinary)
+
+
+class IngestionJob(Base):
+    __tablename__ = "ingestion_jobs"
+    id: Mapped[str] = mapped_column(String(32), primary_key=True)
+    tenant_id: Mapped[str] = mapped_column(ForeignKey("tenants.id"), index=True)
+    # queued | running | succeeded | failed
+    state: Mapped[str] = mapped_column(String(16), default="queued")
+    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+    updated_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow, onupdate=utcnow)
+    request: Mapped[dict[str, Any]] = mapped_column(JSON, default=dict)
+    total_sources: Mapped[int] = mapped_column(Integer, default=0)
+    done_sources: Mapped[int] = mapped_column(Integer, default=0)
+    chunks_embedded: Mapped[int] = mapped_column(Integer, default=0)
+    chunks_skipped: Mapped[int] = mapped_column(Integer, default=0)
+    summary: Mapped[dict[str, Any]] = mapped_column(JSON, default=dict)
+    errors: Mapped[dict[str, Any]] = mapped_column(JSON, default=dict)
+    celery_task_id: Mapped[str | None] = mapped_column(String(64))
+
+
+class Receipt(Base):
+    """A retrieval receipt: everything needed to explain and replay one answer."""
+
+    __tablename__ = "receipts"
+    id: Mapped[str] = mapped_column(String(32), primary_key=True)
+    tenant_id: Mapped[str] = mapped_column(ForeignKey("tenants.id"), index=True)
+    api_key_id: Mapped[str | None] = mapped_column(String(32))
+    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow, index=True)
+    # ok | failed
+    status: Mapped[str] = mapped_column(String(16))
+    snapshot_epoch: Mapped[int | None] = mapped_column(BigInteger)
+    model_id: Mapped[str] = mapped_column(String(200))
+    weights_hash: Mapped[str] = mapped_column(String(64))
+    prompt_hash: Mapped[str] = mapped_column(String(64))
+    output_hash: Mapped[str] = mapped_column(String(64))
+    # The full receipt document (OpenTelemetry GenAI attribute names where one exists).
+    body: Mapped[dict[str, Any]] = mapped_column(JSON)
+
+
+class AuditLeaf(Base):
+    """Append-only Merkle log (RFC 6962 shape, BLAKE3): receipts and truth-store events."""
+
+    __tablename__ = "audit_log"
+    seq: Mapped[int] = mapped_column(BigInteger().with_variant(Integer, "sqlite"), primary_key=True, autoincrement=False)
+    # receipt | version_opened | version_closed
+    kind: Mapped[str] = mapped_column(String(32))
+    ref: Mapped[str] = mapped_column(String(600), index=True)
+    tenant_id: Mapped[str | None] = mapped_column(String(64))
+    leaf_hash: Mapped[str] = mapped_column(String(64))
+    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)

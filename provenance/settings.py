@@ -1,0 +1,65 @@
+"""The one typed settings object. Environment variables use the prefix ``INHERENT_``.
+
+The embedded default needs nothing but a data directory: SQLite, the embedded vector index,
+jobs in-process and the bundled model. Production points the same names at PostgreSQL,
+Qdrant, Redis and the operator's own weights.
+"""
+
+from functools import lru_cache
+from pathlib import Path
+from typing import Literal
+
+from pydantic import Field
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+
+class Settings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="INHERENT_", env_file=".env", extra="ignore")
+
+    data_dir: Path = Path(".inherent")
+    # SQLAlchemy URL; empty means the embedded SQLite file inside data_dir.
+    database_url: str = ""
+    # Qdrant server URL; empty means the embedded index inside data_dir.
+    qdrant_url: str = ""
+    qdrant_api_key: str | None = None
+    collection: str = "inherent_chunks"
+    # Celery broker; empty means ingestion jobs run in-process.
+    redis_url: str = ""
+
+    # Model: a GGUF file or a Hugging Face checkpoint directory; empty means the bundled SmolLM2.
+    model_path: str = ""
+    model_dtype: Literal["float32", "bfloat16"] = "float32"
+    device: str = "cpu"
+    engine_mode: Literal["colocated", "disaggregated"] = "colocated"
+    max_num_seqs: int = Field(64, gt=0)
+    max_num_batched_tokens: int = Field(512, gt=0)
+    enable_chunked_prefill: bool = True
+    max_waiting_requests: int = Field(256, gt=0)
+    kv_cache_tokens: int = Field(65536, gt=0)
+
+    # Embedding model: a sentence-transformers directory; empty means the bundled MiniLM.
+    embedding_model_path: str = ""
+    chunk_tokens: int = Field(256, gt=16)
+    chunk_overlap: int = Field(32, ge=0)
+    max_file_bytes: int = Field(20 * 1024 * 1024, gt=0)
+
+    retrieval_top_k: int = Field(4, gt=0)
+    context_token_budget: int = Field(1024, gt=0)
+
+    host: str = "127.0.0.1"
+    port: int = 8000
+
+    @property
+    def sqlalchemy_url(self) -> str:
+        if self.database_url:
+            return self.database_url
+        return f"sqlite:///{(self.data_dir / 'inherent.db').resolve()}"
+
+    @property
+    def embedded_index_dir(self) -> Path:
+        return self.data_dir / "vectors"
+
+
+@lru_cache
+def get_settings() -> Settings:
+    return Settings()
