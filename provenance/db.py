@@ -8,7 +8,9 @@ from sqlalchemy import Engine, create_engine, event
 from sqlalchemy.orm import Session, sessionmaker
 
 
-def _enable_sqlite_pragmas(dbapi_connection, _record) -> None:
+def _sqlite_on_connect(dbapi_connection, _record) -> None:
+    # Transactions are begun by us (see _sqlite_on_begin), not by the driver's implicit BEGIN.
+    dbapi_connection.isolation_level = None
     cursor = dbapi_connection.cursor()
     # WAL lets the API read while an ingestion job writes; foreign keys are off by default in SQLite.
     cursor.execute("PRAGMA journal_mode=WAL")
@@ -17,11 +19,19 @@ def _enable_sqlite_pragmas(dbapi_connection, _record) -> None:
     cursor.close()
 
 
+def _sqlite_on_begin(connection) -> None:
+    # A writer that reads before it writes must hold the write lock from the start, or WAL mode
+    # fails its upgrade with SQLITE_BUSY instead of waiting (busy_timeout does not apply).
+    mode = "IMMEDIATE" if connection.get_execution_options().get("sqlite_write") else "DEFERRED"
+    connection.exec_driver_sql(f"BEGIN {mode}")
+
+
 @lru_cache(maxsize=8)
 def get_engine(url: str) -> Engine:
     if url.startswith("sqlite"):
         engine = create_engine(url, connect_args={"check_same_thread": False})
-        event.listen(engine, "connect", _enable_sqlite_pragmas)
+        event.listen(engine, "connect", _sqlite_on_connect)
+        event.listen(engine, "begin", _sqlite_on_begin)
         return engine
     return create_engine(url, pool_pre_ping=True)
 
@@ -32,9 +42,15 @@ def get_sessionmaker(url: str) -> sessionmaker[Session]:
 
 
 @contextmanager
-def session_scope(url: str) -> Iterator[Session]:
-    """One transaction: commit on success, roll back on any error, always close."""
+def session_scope(url: str, write: bool = False) -> Iterator[Session]:
+    """One transaction: commit on success, roll back on any error, always close.
+
+    ``write=True`` marks a transaction that will write: on SQLite it takes the write lock at
+    BEGIN so concurrent writers queue instead of failing.
+    """
     session = get_sessionmaker(url)()
+    if write:
+        session.connection(execution_options={"sqlite_write": True})
     try:
         yield session
         session.commit()

@@ -171,5 +171,7 @@ class AuditLeaf(Base):
     kind: Mapped[str] = mapped_column(String(32))
     ref: Mapped[str] = mapped_column(String(600), index=True)
     tenant_id: Mapped[str | None] = mapped_column(String(64))
+    # The leaf's data: canonical JSON of this payload is what leaf_hash commits to.
+    payload: Mapped[dict[str, Any]] = mapped_column(JSON)
     leaf_hash: Mapped[str] = mapped_column(String(64))
     created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)

@@ -28,6 +28,7 @@ def upgrade() -> None:
         sa.Column("kind", sa.String(length=32), nullable=False),
         sa.Column("ref", sa.String(length=600), nullable=False),
         sa.Column("tenant_id", sa.String(length=64), nullable=True),
+        sa.Column("payload", sa.JSON(), nullable=False),
         sa.Column("leaf_hash", sa.String(length=64), nullable=False),
         sa.Column("created_at", sa.DateTime(timezone=True), nullable=False),
         sa.PrimaryKeyConstraint("seq"),

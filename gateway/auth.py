@@ -1,0 +1,94 @@
+"""API keys: created once, stored as BLAKE3 hashes, each bound to one tenant and a set of scopes."""
+
+import secrets
+from dataclasses import dataclass
+
+from sqlalchemy import select
+from sqlalchemy.orm import Session
+
+from provenance.hashing import blake3_hex
+from provenance.models import ApiKey, Tenant, utcnow
+
+SCOPES = ("chat", "admin", "audit")
+KEY_PREFIX = "ink_"
+
+
+class AuthError(Exception):
+    """A missing, unknown or revoked key (401) or a key without the needed scope (403)."""
+
+    def __init__(self, message: str, status: int = 401):
+        super().__init__(message)
+        self.status = status
+
+
+@dataclass(frozen=True, slots=True)
+class Principal:
+    key_id: str
+    tenant_id: str
+    scopes: frozenset[str]
+
+
+@dataclass(frozen=True, slots=True)
+class CreatedKey:
+    key_id: str
+    tenant_id: str
+    scopes: tuple[str, ...]
+    secret: str
+
+
+def create_key(session: Session, tenant_id: str, scopes: list[str], name: str = "") -> CreatedKey:
+    """Create a key (and its tenant on first use). The secret is returned here and never again."""
+    unknown = sorted(set(scopes) - set(SCOPES))
+    if not scopes or unknown:
+        raise ValueError(
+            f"scopes must be a non-empty subset of {', '.join(SCOPES)}; got {unknown or 'none'}"
+        )
+    if not tenant_id or len(tenant_id) > 64:
+        raise ValueError("tenant must be 1 to 64 characters")
+    if session.get(Tenant, tenant_id) is None:
+        session.add(Tenant(id=tenant_id, name=tenant_id))
+        session.flush()
+    key_id = secrets.token_hex(8)
+    secret = f"{KEY_PREFIX}{key_id}_{secrets.token_urlsafe(24)}"
+    ordered = tuple(s for s in SCOPES if s in scopes)
+    session.add(
+        ApiKey(
+            id=key_id,
+            tenant_id=tenant_id,
+            key_hash=blake3_hex(secret),
+            scopes=list(ordered),
+            name=name,
+        )
+    )
+    session.flush()
+    return CreatedKey(key_id=key_id, tenant_id=tenant_id, scopes=ordered, secret=secret)
+
+
+def authenticate(session: Session, secret: str | None) -> Principal:
+    if not secret:
+        raise AuthError("missing API key: send 'Authorization: Bearer <key>'")
+    row = session.scalar(select(ApiKey).where(ApiKey.key_hash == blake3_hex(secret)))
+    if row is None or row.revoked_at is not None:
+        raise AuthError("invalid API key")
+    return Principal(key_id=row.id, tenant_id=row.tenant_id, scopes=frozenset(row.scopes))
+
+
+def require(principal: Principal, scope: str) -> Principal:
+    if scope not in principal.scopes:
+        raise AuthError(f"this API key lacks the '{scope}' scope", status=403)
+    return principal
+
+
+def revoke_key(session: Session, key_id: str) -> bool:
+    row = session.get(ApiKey, key_id)
+    if row is None or row.revoked_at is not None:
+        return False
+    row.revoked_at = utcnow()
+    return True
+
+
+def list_keys(session: Session, tenant_id: str | None = None) -> list[ApiKey]:
+    query = select(ApiKey).order_by(ApiKey.created_at)
+    if tenant_id:
+        query = query.where(ApiKey.tenant_id == tenant_id)
+    return list(session.scalars(query))

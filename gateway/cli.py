@@ -1,0 +1,196 @@
+"""The ``inherent`` command line: serve the API, ingest, ask, replay, audit and operate."""
+
+import json
+from typing import Annotated
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from provenance import audit_log, migrate
+from provenance.db import session_scope
+from provenance.settings import Settings, get_settings
+
+app = typer.Typer(
+    help="Inherent: fast, accountable LLM answers.", no_args_is_help=True, add_completion=False
+)
+db_app = typer.Typer(help="Database schema (Alembic chain in migrations/).", no_args_is_help=True)
+keys_app = typer.Typer(help="API keys: each bound to a tenant and scopes.", no_args_is_help=True)
+audit_app = typer.Typer(help="The tamper-evident audit log.", no_args_is_help=True)
+app.add_typer(db_app, name="db")
+app.add_typer(keys_app, name="keys")
+app.add_typer(audit_app, name="audit")
+
+console = Console()
+err_console = Console(stderr=True)
+
+
+def fail(message: str, code: int = 1) -> None:
+    err_console.print(f"[bold red]error:[/] {message}")
+    raise typer.Exit(code)
+
+
+def not_ready(what: str) -> None:
+    fail(f"'{what}' is not available in this build yet", code=2)
+
+
+def ready_settings() -> Settings:
+    """Settings with the data directory made and the schema at head."""
+    settings = get_settings()
+    settings.data_dir.mkdir(parents=True, exist_ok=True)
+    migrate.ensure_schema(settings.sqlalchemy_url)
+    return settings
+
+
+@db_app.command("upgrade")
+def db_upgrade(revision: str = "head") -> None:
+    """Apply migrations up to REVISION (default: head)."""
+    settings = get_settings()
+    settings.data_dir.mkdir(parents=True, exist_ok=True)
+    migrate.upgrade(settings.sqlalchemy_url, revision)
+    console.print(f"database at revision {migrate.current_revision(settings.sqlalchemy_url)}")
+
+
+@db_app.command("downgrade")
+def db_downgrade(revision: str) -> None:
+    """Revert migrations down to REVISION ('base' removes every table)."""
+    settings = get_settings()
+    migrate.downgrade(settings.sqlalchemy_url, revision)
+    console.print(
+        f"database at revision {migrate.current_revision(settings.sqlalchemy_url) or 'base'}"
+    )
+
+
+@db_app.command("current")
+def db_current() -> None:
+    """Print the database's revision and the chain's head."""
+    url = get_settings().sqlalchemy_url
+    console.print(
+        f"current: {migrate.current_revision(url) or 'base'}  head: {migrate.head_revision(url)}"
+    )
+
+
+@keys_app.command("create")
+def keys_create(
+    tenant: Annotated[str, typer.Option(help="Tenant the key acts for (created on first use).")],
+    scope: Annotated[list[str], typer.Option(help="chat, admin or audit; repeat for several.")],
+    name: str = "",
+) -> None:
+    """Create an API key and print its secret once."""
+    from gateway.auth import create_key
+
+    settings = ready_settings()
+    try:
+        with session_scope(settings.sqlalchemy_url, write=True) as session:
+            created = create_key(session, tenant, scope, name)
+    except ValueError as exc:
+        fail(str(exc))
+    console.print(
+        f"key id {created.key_id} for tenant {created.tenant_id}, scopes {', '.join(created.scopes)}"
+    )
+    console.print("secret (shown once, store it now):")
+    typer.echo(created.secret)
+
+
+@keys_app.command("list")
+def keys_list(tenant: str | None = None) -> None:
+    """List keys (never their secrets)."""
+    from gateway.auth import list_keys
+
+    settings = ready_settings()
+    table = Table("key id", "tenant", "scopes", "created", "revoked")
+    with session_scope(settings.sqlalchemy_url) as session:
+        for key in list_keys(session, tenant):
+            table.add_row(
+                key.id,
+                key.tenant_id,
+                ",".join(key.scopes),
+                f"{key.created_at:%Y-%m-%d %H:%M}",
+                "yes" if key.revoked_at else "",
+            )
+    console.print(table)
+
+
+@keys_app.command("revoke")
+def keys_revoke(key_id: str) -> None:
+    """Revoke a key by id."""
+    from gateway.auth import revoke_key
+
+    settings = ready_settings()
+    with session_scope(settings.sqlalchemy_url, write=True) as session:
+        if not revoke_key(session, key_id):
+            fail(f"no active key with id {key_id}")
+    console.print(f"revoked {key_id}")
+
+
+@audit_app.command("root")
+def audit_root() -> None:
+    """Print the audit log's size and Merkle root (publish it to detect later rewrites)."""
+    settings = ready_settings()
+    with session_scope(settings.sqlalchemy_url) as session:
+        size, root = audit_log.root(session)
+    typer.echo(json.dumps({"tree_size": size, "root": root.hex()}))
+
+
+@audit_app.command("verify")
+def audit_verify(
+    root: Annotated[str | None, typer.Option(help="A root published earlier, as SIZE:HEX.")] = None,
+) -> None:
+    """Recompute every leaf from the database; name any receipt or event edited, deleted or reordered."""
+    published = None
+    if root:
+        size, _, digest = root.partition(":")
+        if not size.isdigit() or len(digest) != 64:
+            fail("--root must look like SIZE:HEX (64 hex digits)")
+        published = (int(size), digest)
+    settings = ready_settings()
+    with session_scope(settings.sqlalchemy_url) as session:
+        report = audit_log.verify(session, published)
+    if report.ok:
+        console.print(f"[green]audit log intact[/]: {report.size} leaves, root {report.root}")
+        return
+    for problem in report.problems:
+        err_console.print(f"[red]TAMPERED[/] {problem}")
+    raise typer.Exit(1)
+
+
+@app.command()
+def serve(host: str | None = None, port: int | None = None) -> None:
+    """Run the HTTP API (OpenAI-compatible chat with receipts, replay, admin)."""
+    not_ready("serve")
+
+
+@app.command()
+def ingest(path: str) -> None:
+    """Ingest a file or folder into the truth store and the vector index."""
+    not_ready("ingest")
+
+
+@app.command()
+def ask(question: str) -> None:
+    """Ask a question against the running server; print the answer, citations and receipt id."""
+    not_ready("ask")
+
+
+@app.command()
+def replay(receipt_id: str) -> None:
+    """Replay a receipt: same pinned context, model and sampling; print the verdict and the drift."""
+    not_ready("replay")
+
+
+@app.command()
+def jobs() -> None:
+    """List ingestion jobs and their progress."""
+    not_ready("jobs")
+
+
+@app.command()
+def diagnose(source: str) -> None:
+    """Say which phase owns the latency, from a metrics endpoint or a bench result file."""
+    not_ready("diagnose")
+
+
+@app.command()
+def demo() -> None:
+    """Ingest a small corpus, ask, update an article, replay: the whole product in two minutes."""
+    not_ready("demo")
