@@ -1,0 +1,80 @@
+"""Every failure leaves the API as one OpenAI-style body: {"error": {message, type, param, code}}."""
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from gateway.auth import AuthError
+
+
+class APIError(Exception):
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        type: str = "invalid_request_error",
+        param: str | None = None,
+        code: str | None = None,
+        headers: dict[str, str] | None = None,
+    ):
+        super().__init__(message)
+        self.status, self.message, self.type, self.param, self.code = (
+            status,
+            message,
+            type,
+            param,
+            code,
+        )
+        self.headers = headers
+
+    def response(self) -> JSONResponse:
+        body = {
+            "error": {
+                "message": self.message,
+                "type": self.type,
+                "param": self.param,
+                "code": self.code,
+            }
+        }
+        return JSONResponse(body, status_code=self.status, headers=self.headers)
+
+
+def not_found(what: str) -> APIError:
+    return APIError(404, f"{what} not found", code="not_found")
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(APIError)
+    async def api_error(_: Request, exc: APIError) -> JSONResponse:
+        return exc.response()
+
+    @app.exception_handler(AuthError)
+    async def auth_error(_: Request, exc: AuthError) -> JSONResponse:
+        kind = "authentication_error" if exc.status == 401 else "permission_error"
+        code = "invalid_api_key" if exc.status == 401 else "insufficient_scope"
+        return APIError(exc.status, str(exc), type=kind, code=code).response()
+
+    @app.exception_handler(RequestValidationError)
+    async def validation_error(_: Request, exc: RequestValidationError) -> JSONResponse:
+        first = exc.errors()[0] if exc.errors() else {"msg": "invalid request", "loc": ()}
+        location = [str(p) for p in first.get("loc", ()) if p not in ("body", "query", "path")]
+        message = first.get("msg", "invalid request")
+        if first.get("type") == "json_invalid":
+            message = "the request body is not valid JSON"
+        param = ".".join(location) or None
+        return APIError(
+            400, f"{param}: {message}" if param else message, param=param, code="invalid_value"
+        ).response()
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+        return APIError(
+            exc.status_code, str(exc.detail), code="not_found" if exc.status_code == 404 else None
+        ).response()
+
+    @app.exception_handler(Exception)
+    async def unexpected(_: Request, exc: Exception) -> JSONResponse:
+        return APIError(
+            500, "internal error; the failure was logged", type="server_error"
+        ).response()

@@ -1,0 +1,238 @@
+"""The memory layer: deterministic, version-pinned retrieval and prompt assembly.
+
+Same query + same snapshot + same index gives byte-identical context: exact search, a total
+order (score descending, then chunk hash), hits re-checked against SQL visibility at the
+snapshot, a fixed template, and a receipt that records every chunk version so the prompt can
+be rebuilt later without running retrieval again.
+"""
+
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass
+from typing import Any, Protocol
+
+import numpy as np
+from sqlalchemy import select
+from sqlalchemy.orm import Session
+
+from provenance.hashing import blake3_hex
+from provenance.models import Chunk, SourceVersion
+
+TEMPLATE_VERSION = "inherent-rag-v1"
+SYSTEM_PREAMBLE = (
+    "You are a careful support assistant. Answer the question using only the numbered sources "
+    "below and cite them like [1]. If the sources do not answer it, say that you do not know."
+)
+# Scores are rounded before ordering so that a last-bit difference between two exact-search
+# kernels cannot reorder hits; equal rounded scores fall back to the chunk hash.
+SCORE_DECIMALS = 6
+
+
+class QueryEmbedder(Protocol):
+    model_id: str
+
+    def embed(self, texts: Sequence[str]) -> np.ndarray: ...
+
+
+class VectorSearch(Protocol):
+    def search(
+        self, tenant_id: str, vector: np.ndarray, snapshot_epoch: int, limit: int
+    ) -> Sequence[Any]:
+        """Exact search among points visible at the snapshot; hits carry chunk_id and score."""
+        ...
+
+
+class UnknownSnapshot(ValueError):
+    pass
+
+
+@dataclass(frozen=True, slots=True)
+class RetrievedChunk:
+    rank: int
+    score: float
+    chunk_id: str
+    chunk_hash: str
+    source_id: str
+    version: int
+    ordinal: int
+    title: str
+    text: str
+    char_start: int
+    char_end: int
+
+    def citation(self) -> dict[str, Any]:
+        return {
+            "index": self.rank,
+            "source_id": self.source_id,
+            "version": self.version,
+            "chunk_id": self.chunk_id,
+            "chunk_hash": self.chunk_hash,
+            "span": [self.char_start, self.char_end],
+            "title": self.title,
+            "score": self.score,
+        }
+
+
+@dataclass(frozen=True, slots=True)
+class Retrieval:
+    query: str
+    tenant_id: str
+    snapshot_epoch: int
+    embedding_model: str
+    chunks: tuple[RetrievedChunk, ...]
+
+    def record(self) -> dict[str, Any]:
+        """What a receipt stores: enough to rebuild the context without searching again."""
+        return {
+            "query": self.query,
+            "snapshot_epoch": self.snapshot_epoch,
+            "embedding_model": self.embedding_model,
+            "chunks": [{k: v for k, v in asdict(c).items() if k != "text"} for c in self.chunks],
+        }
+
+
+def retrieve(
+    session: Session,
+    embedder: QueryEmbedder,
+    index: VectorSearch,
+    query: str,
+    tenant_id: str,
+    snapshot_epoch: int,
+    top_k: int,
+) -> Retrieval:
+    vector = embedder.embed([query])[0]
+    # Over-fetch: a hit the index still shows but SQL says is not visible is dropped below.
+    hits = index.search(tenant_id, vector, snapshot_epoch, top_k * 2 + 4)
+    scores = {str(h.chunk_id): round(float(h.score), SCORE_DECIMALS) for h in hits}
+    rows = visible_chunks(session, tenant_id, snapshot_epoch, list(scores))
+    ordered = sorted(rows, key=lambda pair: (-scores[pair[0].id], pair[0].chunk_hash))[:top_k]
+    chunks = tuple(
+        RetrievedChunk(
+            rank=rank,
+            score=scores[c.id],
+            chunk_id=c.id,
+            chunk_hash=c.chunk_hash,
+            source_id=c.source_id,
+            version=c.version,
+            ordinal=c.ordinal,
+            title=title,
+            text=c.text,
+            char_start=c.char_start,
+            char_end=c.char_end,
+        )
+        for rank, (c, title) in enumerate(ordered, start=1)
+    )
+    return Retrieval(query, tenant_id, snapshot_epoch, embedder.model_id, chunks)
+
+
+def visible_chunks(
+    session: Session, tenant_id: str, epoch: int, chunk_ids: list[str]
+) -> list[tuple[Chunk, str]]:
+    """The chunks among ``chunk_ids`` whose version SQL shows as visible at ``epoch``."""
+    if not chunk_ids:
+        return []
+    query = (
+        select(Chunk, SourceVersion.title)
+        .join(
+            SourceVersion,
+            (SourceVersion.tenant_id == Chunk.tenant_id)
+            & (SourceVersion.source_id == Chunk.source_id)
+            & (SourceVersion.version == Chunk.version),
+        )
+        .where(
+            Chunk.tenant_id == tenant_id,
+            Chunk.id.in_(chunk_ids),
+            SourceVersion.valid_from_epoch <= epoch,
+            SourceVersion.valid_to_epoch > epoch,
+        )
+    )
+    return [(c, t) for c, t in session.execute(query)]
+
+
+def pinned_chunks(
+    session: Session, tenant_id: str, recorded: list[dict[str, Any]]
+) -> tuple[list[RetrievedChunk], list[str]]:
+    """Reload the exact chunk versions a receipt names and verify each hash.
+
+    Returns the chunks and a list of problems (missing rows, hash mismatches).
+    """
+    problems: list[str] = []
+    chunks: list[RetrievedChunk] = []
+    for entry in recorded:
+        row = session.get(Chunk, entry["chunk_id"])
+        title = session.scalar(
+            select(SourceVersion.title).where(
+                SourceVersion.tenant_id == tenant_id,
+                SourceVersion.source_id == entry["source_id"],
+                SourceVersion.version == entry["version"],
+            )
+        )
+        if row is None or row.tenant_id != tenant_id or title is None:
+            problems.append(
+                f"chunk {entry['chunk_id']} ({entry['source_id']} v{entry['version']}) is missing"
+            )
+            continue
+        if blake3_hex(row.text) != entry["chunk_hash"] or row.chunk_hash != entry["chunk_hash"]:
+            problems.append(
+                f"chunk {entry['chunk_id']} ({entry['source_id']} v{entry['version']}): text does not match its recorded hash"
+            )
+        chunks.append(
+            RetrievedChunk(
+                rank=entry["rank"],
+                score=entry["score"],
+                chunk_id=row.id,
+                chunk_hash=entry["chunk_hash"],
+                source_id=row.source_id,
+                version=row.version,
+                ordinal=row.ordinal,
+                title=title,
+                text=row.text,
+                char_start=row.char_start,
+                char_end=row.char_end,
+            )
+        )
+    return chunks, problems
+
+
+def fit_to_budget(
+    chunks: Sequence[RetrievedChunk], budget_tokens: int, count_tokens: Callable[[str], int]
+) -> list[RetrievedChunk]:
+    """Keep chunks in rank order while the context fits the budget; stop at the first that does not."""
+    kept: list[RetrievedChunk] = []
+    used = 0
+    for chunk in chunks:
+        cost = count_tokens(format_source(chunk))
+        if used + cost > budget_tokens:
+            break
+        kept.append(chunk)
+        used += cost
+    return kept
+
+
+def format_source(chunk: RetrievedChunk) -> str:
+    heading = chunk.title or chunk.source_id
+    return f"[{chunk.rank}] {heading} (source {chunk.source_id}, version {chunk.version})\n{chunk.text.strip()}"
+
+
+def build_messages(
+    messages: list[dict[str, str]], chunks: Sequence[RetrievedChunk]
+) -> list[dict[str, str]]:
+    """The fixed template: one system message with the numbered sources, then the conversation.
+
+    A caller's own system message follows ours, so it can add instructions but not remove the
+    sources. Without chunks (retrieval off or nothing found) the conversation passes unchanged.
+    """
+    if not chunks:
+        return [dict(m) for m in messages]
+    context = "\n\n".join(format_source(c) for c in chunks)
+    return [
+        {"role": "system", "content": f"{SYSTEM_PREAMBLE}\n\nSources:\n\n{context}"},
+        *[dict(m) for m in messages],
+    ]
+
+
+def retrieval_query(messages: list[dict[str, str]]) -> str:
+    """The text retrieval searches for: the last user message."""
+    for message in reversed(messages):
+        if message["role"] == "user":
+            return message["content"]
+    return ""
