@@ -155,27 +155,123 @@ def audit_verify(
 
 
 @app.command()
-def serve(host: str | None = None, port: int | None = None) -> None:
+def serve(
+    host: Annotated[str | None, typer.Option(help="Bind address (default: INHERENT_HOST).")] = None,
+    port: Annotated[int | None, typer.Option(help="Port (default: INHERENT_PORT).")] = None,
+) -> None:
     """Run the HTTP API (OpenAI-compatible chat with receipts, replay, admin)."""
-    not_ready("serve")
+    import uvicorn
+
+    from gateway.app import create_app
+
+    settings = ready_settings()
+    uvicorn.run(
+        create_app(settings),
+        host=host or settings.host,
+        port=port or settings.port,
+        log_level="info",
+    )
+
+
+ServerUrl = Annotated[
+    str, typer.Option("--url", envvar="INHERENT_URL", help="The server's base URL.")
+]
+ApiKeyOption = Annotated[
+    str, typer.Option("--key", envvar="INHERENT_API_KEY", help="An API key (or INHERENT_API_KEY).")
+]
+
+
+def call_api(method: str, url: str, key: str, path: str, **kwargs) -> dict:
+    """One request to a running server; an error body or a refused connection becomes a message."""
+    import httpx
+
+    try:
+        response = httpx.request(
+            method,
+            url.rstrip("/") + path,
+            headers={"Authorization": f"Bearer {key}"},
+            timeout=600,
+            **kwargs,
+        )
+    except httpx.HTTPError as exc:
+        fail(f"cannot reach {url}: {exc} (start it with 'inherent serve')")
+    try:
+        payload = response.json()
+    except ValueError:
+        fail(f"{response.status_code} from the server: {response.text[:200]}")
+    if response.status_code >= 400:
+        fail(f"{response.status_code}: {payload.get('error', {}).get('message', payload)}")
+    return payload
+
+
+@app.command()
+def ask(
+    question: str,
+    url: ServerUrl = "http://127.0.0.1:8000",
+    key: ApiKeyOption = "",
+    snapshot: Annotated[int | None, typer.Option(help="Pin retrieval to this epoch.")] = None,
+    max_tokens: int = 256,
+) -> None:
+    """Ask a question against the running server; print the answer, citations and receipt id."""
+    body = {
+        "model": "inherent",
+        "messages": [{"role": "user", "content": question}],
+        "temperature": 0,
+        "max_tokens": max_tokens,
+        "inherent": {"snapshot": snapshot} if snapshot is not None else {},
+    }
+    reply = call_api("POST", url, key, "/v1/chat/completions", json=body)
+    print_answer(reply)
+
+
+def print_answer(reply: dict) -> None:
+    console.print(reply["choices"][0]["message"]["content"].strip())
+    for citation in reply.get("citations", []):
+        console.print(
+            f"  [{citation['index']}] {citation['title']} ({citation['source_id']} v{citation['version']})",
+            style="dim",
+        )
+    console.print(f"  receipt {reply['receipt_id']}", style="cyan")
+
+
+@app.command()
+def replay(
+    receipt_id: str, url: ServerUrl = "http://127.0.0.1:8000", key: ApiKeyOption = ""
+) -> None:
+    """Replay a receipt: same pinned context, model and sampling; print the verdict and the drift."""
+    result = call_api("POST", url, key, f"/v1/receipts/{receipt_id}/replay")
+    print_replay(result)
+
+
+def print_replay(result: dict) -> None:
+    verified = "[green]verified[/]" if result["context_verified"] else "[red]NOT verified[/]"
+    console.print(f"receipt {result['receipt_id']}: context {verified}")
+    for problem in result["problems"]:
+        console.print(f"  [red]{problem}[/]")
+    if result["verdict"] is not None:
+        where = (
+            ""
+            if result["verdict"] == "identical"
+            else f" at token {result['first_divergent_token']}"
+        )
+        console.print(
+            f"verdict: [bold]{result['verdict']}[/]{where} (token agreement {result['token_agreement']:.0%})"
+        )
+    drift = result["drift"]
+    if drift.get("retrieval_enabled"):
+        console.print(
+            f"drift: snapshot epoch {drift['snapshot_epoch']} -> current epoch {drift['current_epoch']}; retrieval {'unchanged' if drift['retrieval_unchanged'] else 'differs now'}"
+        )
+        for source in drift["sources"]:
+            console.print(f"  {source['source_id']} v{source['cited_version']}: {source['status']}")
+            for diff in source.get("chunk_diffs", []):
+                console.print(diff["diff"], style="yellow", markup=False, highlight=False)
 
 
 @app.command()
 def ingest(path: str) -> None:
     """Ingest a file or folder into the truth store and the vector index."""
     not_ready("ingest")
-
-
-@app.command()
-def ask(question: str) -> None:
-    """Ask a question against the running server; print the answer, citations and receipt id."""
-    not_ready("ask")
-
-
-@app.command()
-def replay(receipt_id: str) -> None:
-    """Replay a receipt: same pinned context, model and sampling; print the verdict and the drift."""
-    not_ready("replay")
 
 
 @app.command()
@@ -193,4 +289,6 @@ def diagnose(source: str) -> None:
 @app.command()
 def demo() -> None:
     """Ingest a small corpus, ask, update an article, replay: the whole product in two minutes."""
-    not_ready("demo")
+    from gateway.demo import run_demo
+
+    raise typer.Exit(run_demo(get_settings(), console))

@@ -80,13 +80,13 @@ class Retrieval:
     embedding_model: str
     chunks: tuple[RetrievedChunk, ...]
 
-    def record(self) -> dict[str, Any]:
+    def record(self, used: Sequence[RetrievedChunk]) -> dict[str, Any]:
         """What a receipt stores: enough to rebuild the context without searching again."""
         return {
             "query": self.query,
             "snapshot_epoch": self.snapshot_epoch,
             "embedding_model": self.embedding_model,
-            "chunks": [{k: v for k, v in asdict(c).items() if k != "text"} for c in self.chunks],
+            "chunks": [{k: v for k, v in asdict(c).items() if k != "text"} for c in used],
         }
 
 

@@ -1,0 +1,74 @@
+"""The FastAPI application: routes grouped by audience, one error body, metrics on every route."""
+
+import time
+from collections.abc import Callable
+from contextlib import asynccontextmanager
+
+from fastapi import FastAPI, Request
+from prometheus_client import CollectorRegistry, Counter, Histogram
+
+from gateway.errors import install_error_handlers
+from gateway.routes import admin, chat, health, receipts
+from gateway.services import Services
+from provenance.migrate import ensure_schema
+from provenance.settings import Settings, get_settings
+
+
+def create_app(
+    settings: Settings | None = None,
+    services_factory: Callable[[Settings, CollectorRegistry], Services] | None = None,
+) -> FastAPI:
+    """Build the app. Services (model, embedder, index) load in the lifespan, so importing is cheap;
+    tests pass their own ``services_factory``."""
+    settings = settings or get_settings()
+    registry = CollectorRegistry()
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        settings.data_dir.mkdir(parents=True, exist_ok=True)
+        ensure_schema(settings.sqlalchemy_url)
+        if services_factory is None:
+            from gateway.services import build_services
+
+            app.state.services = build_services(settings, registry)
+        else:
+            app.state.services = services_factory(settings, registry)
+        await app.state.services.start()
+        try:
+            yield
+        finally:
+            await app.state.services.stop()
+
+    app = FastAPI(title="Inherent", version="0.1.0", lifespan=lifespan)
+    app.state.settings = settings
+    app.state.registry = registry
+    install_error_handlers(app)
+    install_http_metrics(app, registry)
+    for module in (chat, receipts, admin, health):
+        app.include_router(module.router)
+    return app
+
+
+def install_http_metrics(app: FastAPI, registry: CollectorRegistry) -> None:
+    requests = Counter(
+        "inherent:http_requests",
+        "HTTP requests by route and status",
+        ["method", "route", "status"],
+        registry=registry,
+    )
+    latency = Histogram(
+        "inherent:http_request_duration_seconds",
+        "HTTP request latency to the first response byte",
+        ["method", "route"],
+        registry=registry,
+    )
+
+    @app.middleware("http")
+    async def observe(request: Request, call_next):
+        start = time.perf_counter()
+        response = await call_next(request)
+        route = request.scope.get("route")
+        path = getattr(route, "path", "unmatched")
+        requests.labels(request.method, path, str(response.status_code)).inc()
+        latency.labels(request.method, path).observe(time.perf_counter() - start)
+        return response

@@ -1,0 +1,226 @@
+"""Replay for incident review: the receipt's pinned context, model and sampling, run again.
+
+The verdict compares output token ids; the drift report says what retrieval would show now and
+what happened to every cited source since (changed, with a text diff; deprecated; deleted).
+"""
+
+import difflib
+from dataclasses import dataclass, field
+from typing import Any
+
+from sqlalchemy import select
+from sqlalchemy.orm import Session
+
+from engine import SamplingParams
+from gateway.services import Services, current_epoch
+from provenance import memory
+from provenance.hashing import blake3_hex
+from provenance.models import Chunk, Receipt, SourceVersion
+
+
+class ReplayRefused(Exception):
+    """The receipt cannot be replayed faithfully here (e.g. different model weights)."""
+
+
+@dataclass(slots=True)
+class ReplayPlan:
+    receipt: Receipt
+    prompt: Any  # PreparedPrompt
+    params: SamplingParams
+    context_verified: bool
+    problems: list[str]
+    drift: dict[str, Any]
+
+
+@dataclass(slots=True)
+class ReplayResult:
+    receipt_id: str
+    verdict: str | None  # identical | diverged | None when the context could not be verified
+    first_divergent_token: int | None
+    original_output_hash: str
+    replayed_output_hash: str | None
+    context_verified: bool
+    problems: list[str]
+    bitwise_claim: bool  # True only for receipts produced in batch-invariant mode
+    token_agreement: float | None
+    replayed_output: str | None
+    drift: dict[str, Any] = field(default_factory=dict)
+
+
+def plan_replay(services: Services, session: Session, receipt: Receipt) -> ReplayPlan:
+    body = receipt.body
+    if body["inherent.model.weights_hash"] != services.weights_hash:
+        raise ReplayRefused(
+            f"the receipt was produced with weights {body['inherent.model.weights_hash']} but this server "
+            f"runs weights {services.weights_hash}; replay needs the same model"
+        )
+    problems: list[str] = []
+    chunks: list[memory.RetrievedChunk] = []
+    if body["inherent.retrieval.enabled"]:
+        chunks, problems = memory.pinned_chunks(
+            session, receipt.tenant_id, body["inherent.retrieval.chunks"]
+        )
+    prompt = services.prompt_from_chunks(body["inherent.request.messages"], None, chunks)
+    if not problems and blake3_hex(prompt.prompt_text) != body["inherent.prompt.hash"]:
+        problems.append(
+            "the rebuilt prompt does not hash to the receipt's prompt hash (template or tokenizer changed)"
+        )
+    sampling = body["inherent.request.sampling"]
+    params = SamplingParams(
+        max_tokens=sampling["max_tokens"],
+        temperature=sampling["temperature"],
+        top_p=sampling["top_p"],
+        top_k=sampling["top_k"],
+        seed=sampling["seed"],
+        stop=list(sampling["stop"]),
+    )
+    return ReplayPlan(
+        receipt, prompt, params, not problems, problems, drift_report(services, session, receipt)
+    )
+
+
+def verdict(original: list[int], replayed: list[int]) -> tuple[str, int | None, float]:
+    first = next(
+        (i for i, (a, b) in enumerate(zip(original, replayed, strict=False)) if a != b), None
+    )
+    if first is None and len(original) != len(replayed):
+        first = min(len(original), len(replayed))
+    agreement = sum(a == b for a, b in zip(original, replayed, strict=False)) / max(
+        len(original), len(replayed), 1
+    )
+    return ("identical" if first is None else "diverged"), first, agreement
+
+
+async def replay(services: Services, plan: ReplayPlan) -> ReplayResult:
+    body = plan.receipt.body
+    original_ids = body["inherent.output.token_ids"]
+    base = dict(
+        receipt_id=plan.receipt.id,
+        original_output_hash=body["inherent.output.hash"],
+        context_verified=plan.context_verified,
+        problems=plan.problems,
+        bitwise_claim=bool(body["inherent.engine"].get("batch_invariant")),
+        drift=plan.drift,
+    )
+    if not plan.context_verified:
+        return ReplayResult(
+            verdict=None,
+            first_divergent_token=None,
+            replayed_output_hash=None,
+            token_agreement=None,
+            replayed_output=None,
+            **base,
+        )
+    text, ids = "", []
+    async for out in services.engine.generate(
+        plan.prompt.prompt_ids, plan.params, f"replay-{plan.receipt.id}-{id(plan)}"
+    ):
+        text += out.text
+        ids.extend(out.token_ids)
+    outcome, first, agreement = verdict(original_ids, ids)
+    return ReplayResult(
+        verdict=outcome,
+        first_divergent_token=first,
+        replayed_output_hash=blake3_hex(text),
+        token_agreement=agreement,
+        replayed_output=text,
+        **base,
+    )
+
+
+def drift_report(services: Services, session: Session, receipt: Receipt) -> dict[str, Any]:
+    """What changed since the receipt: retrieval now, and the fate of each cited source."""
+    body = receipt.body
+    if not body["inherent.retrieval.enabled"]:
+        return {"retrieval_enabled": False}
+    now_epoch = current_epoch(session)
+    now = memory.retrieve(
+        session,
+        services.embedder,
+        services.index,
+        body["inherent.retrieval.query"],
+        receipt.tenant_id,
+        now_epoch,
+        max(len(body["inherent.retrieval.chunks"]), 1),
+    )
+    sources = []
+    cited = {(c["source_id"], c["version"]) for c in body["inherent.retrieval.chunks"]}
+    for source_id, version in sorted(cited):
+        sources.append(
+            source_drift(
+                session,
+                receipt.tenant_id,
+                source_id,
+                version,
+                body["inherent.retrieval.chunks"],
+                now_epoch,
+            )
+        )
+    then_ids = [c["chunk_id"] for c in body["inherent.retrieval.chunks"]]
+    now_ids = [c.chunk_id for c in now.chunks]
+    return {
+        "retrieval_enabled": True,
+        "snapshot_epoch": body["inherent.retrieval.snapshot_epoch"],
+        "current_epoch": now_epoch,
+        "retrieval_unchanged": then_ids == now_ids,
+        "retrieved_now": [c.citation() for c in now.chunks],
+        "sources": sources,
+    }
+
+
+def source_drift(
+    session: Session, tenant_id: str, source_id: str, version: int, cited: list[dict], epoch: int
+) -> dict[str, Any]:
+    latest = session.scalar(
+        select(SourceVersion)
+        .where(SourceVersion.tenant_id == tenant_id, SourceVersion.source_id == source_id)
+        .order_by(SourceVersion.version.desc())
+        .limit(1)
+    )
+    entry: dict[str, Any] = {"source_id": source_id, "cited_version": version}
+    if latest is None:
+        return {**entry, "status": "missing"}
+    entry["latest_version"] = latest.version
+    if latest.valid_to_epoch <= epoch:
+        return {**entry, "status": latest.status}  # deprecated or deleted: the source is closed
+    if latest.version == version:
+        return {**entry, "status": "unchanged"}
+    current_texts = list(
+        session.scalars(
+            select(Chunk.text)
+            .where(
+                Chunk.tenant_id == tenant_id,
+                Chunk.source_id == source_id,
+                Chunk.version == latest.version,
+            )
+            .order_by(Chunk.ordinal)
+        )
+    )
+    diffs = []
+    for c in cited:
+        if c["source_id"] != source_id or c["version"] != version:
+            continue
+        old = session.get(Chunk, c["chunk_id"])
+        if old is None:
+            continue
+        closest = max(
+            current_texts,
+            key=lambda t: difflib.SequenceMatcher(None, old.text, t).ratio(),
+            default="",
+        )
+        if closest == old.text:
+            continue
+        diffs.append(
+            {
+                "chunk_id": old.id,
+                "diff": "".join(
+                    difflib.unified_diff(
+                        old.text.splitlines(keepends=True),
+                        closest.splitlines(keepends=True),
+                        fromfile=f"{source_id}@v{version}",
+                        tofile=f"{source_id}@v{latest.version}",
+                    )
+                ),
+            }
+        )
+    return {**entry, "status": "changed", "chunk_diffs": diffs}

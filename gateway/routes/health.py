@@ -1,0 +1,37 @@
+"""Liveness, readiness and the Prometheus exposition (engine metrics plus HTTP ones)."""
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from sqlalchemy import text
+
+from provenance.db import get_engine
+
+router = APIRouter(tags=["health"])
+
+
+@router.get("/healthz")
+def healthz() -> dict:
+    return {"status": "ok"}
+
+
+@router.get("/readyz")
+def readyz(request: Request) -> JSONResponse:
+    services = getattr(request.app.state, "services", None)
+    checks = {"engine": services is not None and services.healthy()}
+    try:
+        with get_engine(request.app.state.settings.sqlalchemy_url).connect() as connection:
+            connection.execute(text("SELECT 1"))
+        checks["database"] = True
+    except Exception:
+        checks["database"] = False
+    ready = all(checks.values())
+    return JSONResponse(
+        {"status": "ready" if ready else "not ready", "checks": checks},
+        status_code=200 if ready else 503,
+    )
+
+
+@router.get("/metrics")
+def metrics(request: Request) -> Response:
+    return Response(generate_latest(request.app.state.registry), media_type=CONTENT_TYPE_LATEST)

@@ -1,0 +1,152 @@
+"""What the API needs at hand, built once at start-up from Settings: the engine, the tokenizer,
+the embedder, the vector index, and a metrics registry. Tests build one with their own parts."""
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from prometheus_client import CollectorRegistry
+from sqlalchemy import func, select
+from sqlalchemy.orm import Session
+
+from provenance import memory
+from provenance.models import Epoch
+from provenance.settings import Settings
+
+
+@dataclass(slots=True)
+class PreparedPrompt:
+    messages: list[dict[str, str]]  # the conversation as the model sees it (template applied)
+    prompt_text: str
+    prompt_ids: list[int]
+    retrieval: memory.Retrieval | None  # None when the request turned retrieval off
+    chunks: list[memory.RetrievedChunk]  # the chunks that made it into the prompt
+
+
+@dataclass
+class Services:
+    settings: Settings
+    engine: Any  # engine.AsyncEngine
+    tokenizer: Any  # engine.Tokenizer
+    embedder: Any  # ingest.embedding.Embedder
+    index: Any  # provenance.vector_index.VectorIndex
+    model_id: str
+    weights_hash: str
+    engine_numerics: dict[str, Any]  # the engine settings that affect output bits
+    registry: CollectorRegistry = field(default_factory=CollectorRegistry)
+
+    async def start(self) -> None:
+        """Nothing to await today: the engine thread starts with the AsyncEngine."""
+
+    async def stop(self) -> None:
+        self.engine.shutdown()
+
+    def healthy(self) -> bool:
+        return self.engine.is_alive()
+
+    @property
+    def max_model_len(self) -> int:
+        return self.engine.engine.config.max_model_len
+
+    @property
+    def served_model_names(self) -> set[str]:
+        return {self.model_id, "inherent"}
+
+    def count_tokens(self, text: str) -> int:
+        return len(self.tokenizer.encode(text))
+
+    def render(self, messages: list[dict[str, str]]) -> tuple[str, list[int]]:
+        text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+        return text, self.tokenizer.encode(text)
+
+    def prepare(
+        self,
+        session: Session,
+        tenant_id: str,
+        messages: list[dict[str, str]],
+        use_retrieval: bool,
+        snapshot: int | None,
+        top_k: int | None,
+    ) -> PreparedPrompt:
+        """Retrieve at the snapshot, fit the context budget, apply the template, tokenize."""
+        retrieval = None
+        chunks: list[memory.RetrievedChunk] = []
+        if use_retrieval:
+            current = current_epoch(session)
+            if snapshot is None:
+                snapshot = current
+            elif snapshot > current:
+                raise memory.UnknownSnapshot(
+                    f"snapshot {snapshot} does not exist yet; the current epoch is {current}"
+                )
+            retrieval = memory.retrieve(
+                session,
+                self.embedder,
+                self.index,
+                memory.retrieval_query(messages),
+                tenant_id,
+                snapshot,
+                top_k or self.settings.retrieval_top_k,
+            )
+            chunks = memory.fit_to_budget(
+                retrieval.chunks, self.settings.context_token_budget, self.count_tokens
+            )
+        return self.prompt_from_chunks(messages, retrieval, chunks)
+
+    def prompt_from_chunks(self, messages, retrieval, chunks) -> PreparedPrompt:
+        final = memory.build_messages(messages, chunks)
+        text, ids = self.render(final)
+        return PreparedPrompt(final, text, ids, retrieval, list(chunks))
+
+
+def current_epoch(session: Session) -> int:
+    return session.scalar(select(func.coalesce(func.max(Epoch.epoch), 0))) or 0
+
+
+def engine_config(settings: Settings):
+    from engine import EngineConfig
+
+    return EngineConfig(
+        model=settings.model_path or None,
+        dtype=settings.model_dtype,
+        device=settings.device,
+        max_num_seqs=settings.max_num_seqs,
+        max_num_batched_tokens=settings.max_num_batched_tokens,
+        enable_chunked_prefill=settings.enable_chunked_prefill,
+        max_waiting_requests=settings.max_waiting_requests,
+    )
+
+
+def build_services(settings: Settings, registry: CollectorRegistry) -> Services:
+    """Load the model, the embedder and the vector index named by the settings."""
+    from engine import AsyncEngine, LLMEngine
+    from ingest.embedding import load_embedder
+    from provenance.vector_index import open_vector_index
+
+    config = engine_config(settings)
+    llm = LLMEngine.from_config(config, registry)
+    embedder = load_embedder(settings)
+    return Services(
+        settings=settings,
+        engine=AsyncEngine(llm),
+        tokenizer=llm.tokenizer,
+        embedder=embedder,
+        index=open_vector_index(settings, embedder.dim),
+        model_id=llm.model_id,
+        weights_hash=llm.weights_hash,
+        engine_numerics=numerics(config),
+        registry=registry,
+    )
+
+
+def numerics(config) -> dict[str, Any]:
+    """The engine settings that can change output bits, as receipts record them."""
+    return {
+        "dtype": config.dtype,
+        "kv_cache_dtype": config.kv_cache_dtype or config.dtype,
+        "device": config.device,
+        "block_size": config.block_size,
+        "max_num_batched_tokens": config.max_num_batched_tokens,
+        "enable_chunked_prefill": config.enable_chunked_prefill,
+        "enable_prefix_caching": config.enable_prefix_caching,
+        "batch_invariant": getattr(config, "batch_invariant", False),
+    }

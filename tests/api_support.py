@@ -1,0 +1,68 @@
+"""A live app on the bundled model and the embedded default, shared by the API tests."""
+
+import shutil
+from importlib import resources
+from pathlib import Path
+
+import pytest
+from fastapi.testclient import TestClient
+
+from gateway.app import create_app
+from gateway.auth import create_key
+from ingest import jobs
+from provenance.db import session_scope
+from provenance.migrate import ensure_schema
+from provenance.settings import Settings
+
+
+class Api:
+    def __init__(self, client: TestClient, settings: Settings, corpus: Path):
+        self.client, self.settings, self.corpus = client, settings, corpus
+        self.keys: dict[tuple[str, tuple[str, ...]], str] = {}
+
+    def key(self, tenant: str = "acme", *scopes: str) -> str:
+        scopes = scopes or ("chat", "admin", "audit")
+        if (tenant, scopes) not in self.keys:
+            with session_scope(self.settings.sqlalchemy_url, write=True) as session:
+                self.keys[tenant, scopes] = create_key(session, tenant, list(scopes)).secret
+        return self.keys[tenant, scopes]
+
+    def auth(self, tenant: str = "acme", *scopes: str) -> dict[str, str]:
+        return {"Authorization": f"Bearer {self.key(tenant, *scopes)}"}
+
+    def ingest(self, tenant: str, *paths: Path) -> jobs.JobStatus:
+        job_id = jobs.submit_ingestion(self.settings, tenant, [str(p) for p in paths], wait=True)
+        status = jobs.get_job(self.settings, job_id)
+        assert status.state == "succeeded", status
+        return status
+
+    def chat(self, question: str, tenant: str = "acme", **extra) -> dict:
+        body = {
+            "model": "inherent",
+            "messages": [{"role": "user", "content": question}],
+            "temperature": 0,
+            "max_tokens": 24,
+            **extra,
+        }
+        response = self.client.post("/v1/chat/completions", json=body, headers=self.auth(tenant))
+        assert response.status_code == 200, response.text
+        return response.json()
+
+
+@pytest.fixture(scope="module")
+def api(tmp_path_factory) -> Api:
+    data_dir = tmp_path_factory.mktemp("inherent")
+    settings = Settings(
+        data_dir=data_dir, database_url="", qdrant_url="", redis_url="", max_waiting_requests=64
+    )
+    ensure_schema(settings.sqlalchemy_url)
+    corpus = data_dir / "corpus"
+    shutil.copytree(Path(str(resources.files("gateway") / "demo_corpus")), corpus)
+    app = create_app(settings)
+    with TestClient(app) as client:
+        api = Api(client, settings, corpus)
+        api.ingest("acme", corpus)
+        yield api
+    from provenance.vector_index import close_vector_indexes
+
+    close_vector_indexes()
