@@ -1,0 +1,122 @@
+"""Replay: the receipt's pinned context, model and seed, run again, with a drift report."""
+
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+from api_support import api  # noqa: F401  (fixture)
+from sqlalchemy import update
+
+from provenance.db import session_scope
+from provenance.models import Chunk
+
+pytestmark = pytest.mark.slow
+
+QUESTIONS = [
+    "How long does a password reset link stay valid?",
+    "How much does the Plus plan cost?",
+    "Why does my file not sync?",
+    "How do I share a file with a link?",
+    "How do I turn on SMS codes?",
+]
+
+
+def replay(api, receipt_id, tenant="acme"):
+    response = api.client.post(f"/v1/receipts/{receipt_id}/replay", headers=api.auth(tenant))
+    assert response.status_code == 200, response.text
+    return response.json()
+
+
+def test_fifty_concurrent_greedy_answers_replay_identically(api):
+    prompts = [f"{QUESTIONS[i % len(QUESTIONS)]} (case {i})" for i in range(50)]
+    with ThreadPoolExecutor(max_workers=50) as pool:
+        replies = list(pool.map(lambda q: api.chat(q, max_tokens=16), prompts))
+    receipt_ids = [r["receipt_id"] for r in replies]
+    assert len(set(receipt_ids)) == 50
+    verdicts = [replay(api, rid) for rid in receipt_ids]
+    assert all(v["context_verified"] for v in verdicts)
+    diverged = [
+        (v["receipt_id"], v["first_divergent_token"])
+        for v in verdicts
+        if v["verdict"] != "identical"
+    ]
+    assert diverged == [], f"{len(diverged)} of 50 replays diverged: {diverged}"
+    assert all(v["replayed_output_hash"] == v["original_output_hash"] for v in verdicts)
+
+
+def test_seeded_sampling_replays_identically(api):
+    reply = api.chat(
+        "How do I share a file with a link?", temperature=0.9, top_p=0.9, seed=1234, max_tokens=16
+    )
+    result = replay(api, reply["receipt_id"])
+    assert result["verdict"] == "identical"
+
+
+def test_drift_report_names_changed_and_deprecated_sources(api, tmp_path):
+    plans_reply = api.chat("How much does the Plus plan cost?")
+    cited = {c["source_id"] for c in plans_reply["citations"]}
+    assert "storage-plans.md" in cited
+    changed = tmp_path / "corpus"
+    changed.mkdir()
+    text = (
+        (api.corpus / "storage-plans.md")
+        .read_text()
+        .replace("costs 4 euros per month", "costs 5 euros per month")
+    )
+    (changed / "storage-plans.md").write_text(text)
+    api.ingest("acme", changed / "storage-plans.md")
+    deprecated = sorted(cited - {"storage-plans.md"})[0]
+    assert (
+        api.client.post(f"/admin/sources/{deprecated}/deprecate", headers=api.auth()).status_code
+        == 200
+    )
+    result = replay(api, plans_reply["receipt_id"])
+    assert result["verdict"] == "identical" and result["context_verified"]
+    drift = result["drift"]
+    assert drift["current_epoch"] > drift["snapshot_epoch"]
+    status = {s["source_id"]: s for s in drift["sources"]}
+    assert status["storage-plans.md"]["status"] == "changed"
+    diff = status["storage-plans.md"]["chunk_diffs"][0]["diff"]
+    assert "-" in diff and "costs 5 euros per month" in diff
+    assert status[deprecated]["status"] == "deprecated"
+
+
+def test_tampered_chunk_is_not_claimed(api):
+    reply = api.chat("How do I reset my password?")
+    chunk_id = reply["citations"][0]["chunk_id"]
+    with session_scope(api.settings.sqlalchemy_url, write=True) as session:
+        original = session.get(Chunk, chunk_id).text
+        session.execute(
+            update(Chunk)
+            .where(Chunk.id == chunk_id)
+            .values(text=original + " Links now last 30 days.")
+        )
+    try:
+        result = replay(api, reply["receipt_id"])
+    finally:
+        with session_scope(api.settings.sqlalchemy_url, write=True) as session:
+            session.execute(update(Chunk).where(Chunk.id == chunk_id).values(text=original))
+    assert result["context_verified"] is False and result["verdict"] is None
+    assert any(chunk_id in p for p in result["problems"])
+
+
+def test_replay_refuses_different_weights_and_hides_foreign_receipts(api, monkeypatch):
+    reply = api.chat("How do I reset my password?")
+    services = api.client.app.state.services
+    monkeypatch.setattr(services, "weights_hash", "0" * 64)
+    response = api.client.post(f"/v1/receipts/{reply['receipt_id']}/replay", headers=api.auth())
+    monkeypatch.undo()
+    error = response.json()["error"]
+    assert (
+        response.status_code == 409
+        and "0" * 64 in error["message"]
+        and services.weights_hash in error["message"]
+    )
+    assert (
+        api.client.post("/v1/receipts/rcpt_unknown/replay", headers=api.auth()).status_code == 404
+    )
+    assert (
+        api.client.post(
+            f"/v1/receipts/{reply['receipt_id']}/replay", headers=api.auth("acme", "chat")
+        ).status_code
+        == 403
+    )
