@@ -1,6 +1,7 @@
 """The ``inherent`` command line: serve the API, ingest, ask, replay, audit and operate."""
 
 import json
+from pathlib import Path
 from typing import Annotated
 
 import typer
@@ -268,16 +269,116 @@ def print_replay(result: dict) -> None:
                 console.print(diff["diff"], style="yellow", markup=False, highlight=False)
 
 
-@app.command()
-def ingest(path: str) -> None:
-    """Ingest a file or folder into the truth store and the vector index."""
-    not_ready("ingest")
+TenantOption = Annotated[str, typer.Option(help="The tenant whose sources these are.")]
 
 
 @app.command()
-def jobs() -> None:
-    """List ingestion jobs and their progress."""
-    not_ready("jobs")
+def ingest(
+    paths: Annotated[list[Path], typer.Argument(help="Files or folders (walked recursively).")],
+    tenant: TenantOption = "default",
+    cleanup: Annotated[
+        bool, typer.Option("--cleanup", help="Delete (tombstone) sources no longer under PATHS.")
+    ] = False,
+    prefix: Annotated[str, typer.Option(help="Prefix for source ids derived from paths.")] = "",
+) -> None:
+    """Ingest files and folders into the truth store and the vector index, with a progress bar."""
+    from ingest import jobs as ingest_jobs
+
+    missing = [str(p) for p in paths if not p.exists()]
+    if missing:
+        fail(f"not found: {', '.join(missing)}")
+    settings = ready_settings()
+    job_id = ingest_jobs.submit_ingestion(
+        settings, tenant, paths, "full" if cleanup else None, prefix=prefix
+    )
+    status = follow_job(settings, job_id)
+    print_job(status)
+    if status.state != "succeeded":
+        raise typer.Exit(1)
+
+
+def follow_job(settings: Settings, job_id: str):
+    """Poll a job's row until it ends, drawing its progress."""
+    import time
+
+    from rich.progress import (
+        BarColumn,
+        MofNCompleteColumn,
+        Progress,
+        SpinnerColumn,
+        TextColumn,
+        TimeElapsedColumn,
+    )
+
+    from ingest import jobs as ingest_jobs
+
+    columns = (
+        SpinnerColumn(),
+        TextColumn("{task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TextColumn("{task.fields[chunks]}"),
+        TimeElapsedColumn(),
+    )
+    with Progress(*columns, console=console, transient=True) as progress:
+        task = progress.add_task(f"job {job_id[:8]}", total=None, chunks="")
+        while True:
+            status = ingest_jobs.get_job(settings, job_id)
+            progress.update(
+                task,
+                total=status.total_sources or None,
+                completed=status.done_sources,
+                chunks=f"{status.chunks_embedded} embedded, {status.chunks_skipped} reused",
+            )
+            if status.finished:
+                return status
+            time.sleep(0.2)
+
+
+def print_job(status) -> None:
+    keys = ("added", "updated", "unchanged", "deprecated", "deleted", "failed")
+    summary = {k: status.summary.get(k, 0) for k in keys}
+    style = "green" if status.state == "succeeded" else "red"
+    console.print(f"job {status.id}: [{style}]{status.state}[/] {json.dumps(summary)}")
+    console.print(
+        f"  sources {status.done_sources}/{status.total_sources}, chunks embedded {status.chunks_embedded}, reused {status.chunks_skipped}"
+    )
+    for source, reason in sorted(status.errors.items()):
+        console.print(f"  [red]failed[/] {source}: {reason}")
+    if status.summary.get("error"):
+        console.print(f"  [red]error[/] {status.summary['error']}")
+
+
+@app.command()
+def jobs(
+    job_id: Annotated[
+        str | None, typer.Argument(help="Show one job; without it, list recent jobs.")
+    ] = None,
+    tenant: Annotated[str | None, typer.Option(help="Only this tenant's jobs.")] = None,
+    limit: int = 20,
+) -> None:
+    """List ingestion jobs and their progress, or show one."""
+    from ingest import jobs as ingest_jobs
+
+    settings = ready_settings()
+    if job_id:
+        status = ingest_jobs.get_job(settings, job_id)
+        if status is None:
+            fail(f"no job {job_id}")
+        print_job(status)
+        return
+    table = Table("job", "tenant", "state", "sources", "embedded", "reused", "created")
+    for status in ingest_jobs.list_jobs(settings, tenant, limit):
+        table.add_row(
+            status.id,
+            status.tenant_id,
+            status.state,
+            f"{status.done_sources}/{status.total_sources}",
+            str(status.chunks_embedded),
+            str(status.chunks_skipped),
+            f"{status.created_at:%Y-%m-%d %H:%M:%S}",
+        )
+    console.print(table)
 
 
 @app.command()
