@@ -1,7 +1,8 @@
 """What the API needs at hand, built once at start-up from Settings: the engine, the tokenizer,
 the embedder, the vector index, and a metrics registry. Tests build one with their own parts."""
 
-from dataclasses import dataclass, field
+import time
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from prometheus_client import CollectorRegistry
@@ -14,12 +15,27 @@ from provenance.settings import Settings
 
 
 @dataclass(slots=True)
+class Timings:
+    """Where a request's time went before and after the engine, in seconds (Server-Timing)."""
+
+    embed: float = 0.0
+    retrieve: float = 0.0
+    prompt: float = 0.0
+    engine: float = 0.0
+    receipt: float = 0.0
+
+    def header(self) -> str:
+        return ", ".join(f"{name};dur={value * 1000:.2f}" for name, value in asdict(self).items())
+
+
+@dataclass(slots=True)
 class PreparedPrompt:
     messages: list[dict[str, str]]  # the conversation as the model sees it (template applied)
     prompt_text: str
     prompt_ids: list[int]
     retrieval: memory.Retrieval | None  # None when the request turned retrieval off
     chunks: list[memory.RetrievedChunk]  # the chunks that made it into the prompt
+    timings: Timings = field(default_factory=Timings)
 
 
 @dataclass
@@ -70,6 +86,7 @@ class Services:
         """Retrieve at the snapshot, fit the context budget, apply the template, tokenize."""
         retrieval = None
         chunks: list[memory.RetrievedChunk] = []
+        timings = Timings()
         if use_retrieval:
             current = current_epoch(session)
             if snapshot is None:
@@ -78,19 +95,29 @@ class Services:
                 raise memory.UnknownSnapshot(
                     f"snapshot {snapshot} does not exist yet; the current epoch is {current}"
                 )
+            query = memory.retrieval_query(messages)
+            start = time.perf_counter()
+            vector = self.embedder.embed([query])[0]
+            timings.embed = time.perf_counter() - start
             retrieval = memory.retrieve(
                 session,
                 self.embedder,
                 self.index,
-                memory.retrieval_query(messages),
+                query,
                 tenant_id,
                 snapshot,
                 top_k or self.settings.retrieval_top_k,
+                vector,
             )
             chunks = memory.fit_to_budget(
                 retrieval.chunks, self.settings.context_token_budget, self.count_tokens
             )
-        return self.prompt_from_chunks(messages, retrieval, chunks)
+            timings.retrieve = time.perf_counter() - start - timings.embed
+        start = time.perf_counter()
+        prepared = self.prompt_from_chunks(messages, retrieval, chunks)
+        timings.prompt = time.perf_counter() - start
+        prepared.timings = timings
+        return prepared
 
     def prompt_from_chunks(self, messages, retrieval, chunks) -> PreparedPrompt:
         final = memory.build_messages(messages, chunks)
@@ -112,6 +139,7 @@ def engine_config(settings: Settings):
         max_num_seqs=settings.max_num_seqs,
         max_num_batched_tokens=settings.max_num_batched_tokens,
         enable_chunked_prefill=settings.enable_chunked_prefill,
+        enable_prefix_caching=settings.enable_prefix_caching,
         max_waiting_requests=settings.max_waiting_requests,
     )
 

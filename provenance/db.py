@@ -14,6 +14,9 @@ def _sqlite_on_connect(dbapi_connection, _record) -> None:
     cursor = dbapi_connection.cursor()
     # WAL lets the API read while an ingestion job writes; foreign keys are off by default in SQLite.
     cursor.execute("PRAGMA journal_mode=WAL")
+    # In WAL mode NORMAL survives an application crash; only an OS crash can drop the last
+    # commits. Production durability comes from PostgreSQL.
+    cursor.execute("PRAGMA synchronous=NORMAL")
     cursor.execute("PRAGMA foreign_keys=ON")
     cursor.execute("PRAGMA busy_timeout=30000")
     cursor.close()

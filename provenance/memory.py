@@ -98,8 +98,11 @@ def retrieve(
     tenant_id: str,
     snapshot_epoch: int,
     top_k: int,
+    vector: np.ndarray | None = None,
 ) -> Retrieval:
-    vector = embedder.embed([query])[0]
+    """Top-k chunks visible at the snapshot; ``vector`` is the query's embedding if already known."""
+    if vector is None:
+        vector = embedder.embed([query])[0]
     # Over-fetch: a hit the index still shows but SQL says is not visible is dropped below.
     hits = index.search(tenant_id, vector, snapshot_epoch, top_k * 2 + 4)
     scores = {str(h.chunk_id): round(float(h.score), SCORE_DECIMALS) for h in hits}

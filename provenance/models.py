@@ -65,6 +65,19 @@ class Epoch(Base):
     summary: Mapped[dict[str, Any]] = mapped_column(JSON, default=dict)
 
 
+class EpochCounter(Base):
+    """The single row writers lock to take the next epoch (SELECT ... FOR UPDATE semantics).
+
+    Its row lock, held until the writer commits, also serializes the write window in which vector
+    points exist before their SQL rows, so a sweep that takes the same lock never mistakes an
+    in-flight commit's points for orphans.
+    """
+
+    __tablename__ = "epoch_counter"
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=False)
+    value: Mapped[int] = mapped_column(BigInteger)
+
+
 class Source(Base):
     __tablename__ = "sources"
     tenant_id: Mapped[str] = mapped_column(ForeignKey("tenants.id"), primary_key=True)

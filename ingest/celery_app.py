@@ -1,0 +1,94 @@
+"""Celery on Redis for ingestion jobs: ``celery -A ingest.celery_app worker --pool=solo``.
+
+The worker reads the same Settings (``INHERENT_*`` environment) as the API and runs
+``ingest.jobs.run_ingestion_job``, the function the embedded default runs in process. Messages
+are acknowledged only after the task returns and are given back when a worker dies under one
+(``task_acks_late``, ``task_reject_on_worker_lost``), so a job is never lost; running it twice
+is safe because the job is idempotent. Database and broker hiccups are retried with exponential
+backoff. Each deployment (``Settings.collection``) has its own queue.
+
+A worker and an API process must not share the embedded vector index directory: with workers,
+set ``INHERENT_QDRANT_URL`` to a Qdrant server.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import random
+from functools import lru_cache
+
+from celery import Celery
+from celery.signals import worker_shutdown
+from sqlalchemy.exc import DBAPIError, OperationalError
+
+from ingest import jobs
+from provenance.settings import Settings, get_settings
+from provenance.vector_index import close_vector_indexes
+
+INGEST_TASK = "inherent.ingest"
+MAX_RETRIES = 5
+BACKOFF_BASE_S = 5.0
+BACKOFF_MAX_S = 300.0
+# Failures worth another attempt: the database or the broker went away for a moment.
+TRANSIENT_ERRORS = (OperationalError, DBAPIError, ConnectionError, TimeoutError)
+
+
+def queue_name(settings: Settings) -> str:
+    return f"inherent.ingest.{settings.collection}"
+
+
+def backoff_s(retries: int) -> float:
+    """Exponential backoff with full jitter: up to 5 s, 10 s, 20 s, ... capped at 300 s."""
+    return random.uniform(0, min(BACKOFF_MAX_S, BACKOFF_BASE_S * 2**retries))
+
+
+def make_celery(settings: Settings) -> Celery:
+    app = Celery("inherent", broker=settings.redis_url or "memory://", set_as_current=False)
+    app.conf.update(
+        task_acks_late=True,
+        task_reject_on_worker_lost=True,
+        worker_prefetch_multiplier=1,
+        task_default_queue=queue_name(settings),
+        task_ignore_result=True,
+        task_serializer="json",
+        accept_content=["json"],
+        broker_connection_retry_on_startup=True,
+        worker_hijack_root_logger=False,
+    )
+
+    @app.task(name=INGEST_TASK, bind=True, max_retries=MAX_RETRIES, shared=False)
+    def ingest(self, job_id: str) -> None:
+        try:
+            jobs.run_ingestion_job(settings, job_id)
+        except TRANSIENT_ERRORS as error:
+            if self.request.retries >= MAX_RETRIES:
+                raise
+            delay = backoff_s(self.request.retries)
+            # The database may be what is down: recording the retry is best effort.
+            with contextlib.suppress(*TRANSIENT_ERRORS):
+                jobs.note_retry(
+                    settings, job_id, error, attempt=self.request.retries + 1, delay_s=delay
+                )
+            raise self.retry(exc=error, countdown=delay) from error
+
+    return app
+
+
+@lru_cache(maxsize=4)
+def _celery(redis_url: str, collection: str) -> Celery:
+    return make_celery(Settings(redis_url=redis_url, collection=collection))
+
+
+def celery_for(settings: Settings) -> Celery:
+    """A producer app for these settings (its queue follows ``settings.collection``)."""
+    return _celery(settings.redis_url, settings.collection)
+
+
+# What `celery -A ingest.celery_app worker` runs: the app for this process's environment.
+app = make_celery(get_settings())
+
+
+@worker_shutdown.connect
+def _close_indexes(**_: object) -> None:
+    # Flush and release the embedded index so the next process can open it.
+    close_vector_indexes()

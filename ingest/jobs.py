@@ -1,0 +1,378 @@
+"""Admin ingestion jobs and source administration: what the gateway's admin routes and the CLI call.
+
+A job is a row in ``ingestion_jobs`` (state, progress, errors, summary) plus one run of
+``run_ingestion_job``: as a Celery task on Redis when ``Settings.redis_url`` is set (see
+``ingest.celery_app``), otherwise in this process (a background thread, or inline with
+``wait=True``). The run is idempotent: sources whose content is already the open version are
+skipped, chunk ids and vector points are deterministic, and a job that already succeeded is not
+run again, so a redelivered or re-run job converges to the same state.
+
+Route map: ``POST /admin/ingest`` → ``submit_ingestion``; ``GET /admin/jobs/{id}`` → ``get_job``;
+``GET /admin/sources`` → ``list_sources``; ``GET /admin/sources/{id}/versions`` →
+``list_versions``; ``POST /admin/sources/{id}/deprecate`` → ``deprecate_source``;
+``DELETE /admin/sources/{id}`` → ``delete_source``.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+import uuid
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+from datetime import datetime
+from functools import lru_cache
+from pathlib import Path
+from typing import Any
+
+from sqlalchemy import select
+
+from ingest.chunking import Chunker
+from ingest.embedding import TransformersEmbedder, load_embedder
+from ingest.loaders import load_paths
+from ingest.pipeline import Cleanup, IndexProgress, chunker_for, index_sources
+from provenance import truth
+from provenance.db import get_sessionmaker, session_scope
+from provenance.migrate import ensure_schema
+from provenance.models import IngestionJob
+from provenance.settings import Settings
+from provenance.truth import SessionFactory, SourceInfo, VersionInfo
+from provenance.vector_index import VectorIndex, open_vector_index
+
+DEFAULT_BATCH_SIZE = 64
+TERMINAL_STATES = ("succeeded", "failed")
+
+
+class JobNotFound(LookupError):
+    pass
+
+
+class SourceNotFound(LookupError):
+    pass
+
+
+@dataclass(frozen=True, slots=True)
+class JobStatus:
+    id: str
+    tenant_id: str
+    state: str  # queued | running | succeeded | failed
+    created_at: datetime
+    updated_at: datetime
+    request: dict[str, Any]  # {"paths": [...], "cleanup": None | "full", "prefix": str, ...}
+    total_sources: int
+    done_sources: int
+    chunks_embedded: int
+    chunks_skipped: int
+    errors: dict[str, str]  # source id -> reason
+    # When done: added/updated/unchanged/deprecated/deleted/failed counts, epochs, sweep report;
+    # when failed: "error".
+    summary: dict[str, Any]
+    celery_task_id: str | None
+
+    @property
+    def finished(self) -> bool:
+        return self.state in TERMINAL_STATES
+
+    @classmethod
+    def of(cls, row: IngestionJob) -> JobStatus:
+        return cls(
+            id=row.id,
+            tenant_id=row.tenant_id,
+            state=row.state,
+            created_at=row.created_at,
+            updated_at=row.updated_at,
+            request=dict(row.request or {}),
+            total_sources=row.total_sources,
+            done_sources=row.done_sources,
+            chunks_embedded=row.chunks_embedded,
+            chunks_skipped=row.chunks_skipped,
+            errors=dict(row.errors or {}),
+            summary=dict(row.summary or {}),
+            celery_task_id=row.celery_task_id,
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class SourceChange:
+    """The outcome of deprecating or deleting a source."""
+
+    tenant_id: str
+    source_id: str
+    status: str  # the newest version's status afterwards
+    changed: bool  # False when the source had no open version to close
+    epoch: int | None  # the epoch that closed it (None when nothing changed)
+
+
+@dataclass(frozen=True, slots=True)
+class Runtime:
+    """What an ingestion needs, built once per process and settings."""
+
+    sessions: SessionFactory
+    embedder: TransformersEmbedder
+    index: VectorIndex
+    chunker: Chunker
+
+
+@lru_cache(maxsize=8)
+def _schema_ready(url: str) -> bool:
+    ensure_schema(url)
+    return True
+
+
+def _sessions(settings: Settings) -> SessionFactory:
+    return get_sessionmaker(_url(settings))
+
+
+def runtime(settings: Settings) -> Runtime:
+    """The database sessions, embedder, vector index and chunker for these settings; the model
+    and the index are opened once per process."""
+    sessions = _sessions(settings)
+    embedder = load_embedder(settings)
+    index = open_vector_index(settings, embedder.dim)
+    return Runtime(sessions, embedder, index, chunker_for(embedder, settings))
+
+
+# ---------------------------------------------------------------------------------------------
+# Jobs
+# ---------------------------------------------------------------------------------------------
+
+
+def submit_ingestion(
+    settings: Settings,
+    tenant_id: str,
+    paths: Sequence[str | Path],
+    cleanup: Cleanup = None,
+    *,
+    prefix: str = "",
+    batch_size: int = DEFAULT_BATCH_SIZE,
+    wait: bool = False,
+) -> str:
+    """Queue an ingestion of files and folders for a tenant; return the job id.
+
+    ``cleanup="full"`` also deletes (tombstones) the tenant's sources under ``prefix`` that the
+    paths no longer contain. Paths are resolved here and must be readable where the job runs.
+    With Redis configured the job goes to the Celery workers; otherwise it runs in this process,
+    in a background thread, or before returning when ``wait`` is true. With Celery, ``wait``
+    polls the job row until the job finishes.
+    """
+    if cleanup not in (None, "full"):
+        raise ValueError(f"cleanup must be None or 'full', not {cleanup!r}")
+    job_id = uuid.uuid4().hex
+    request = {
+        "paths": [str(Path(p).resolve()) for p in paths],
+        "cleanup": cleanup,
+        "prefix": prefix,
+        "batch_size": batch_size,
+    }
+    with session_scope(_url(settings)) as session:
+        truth.ensure_tenant(session, tenant_id)
+        session.add(IngestionJob(id=job_id, tenant_id=tenant_id, state="queued", request=request))
+    _dispatch(settings, job_id, wait)
+    return job_id
+
+
+def rerun_job(settings: Settings, job_id: str, *, wait: bool = False) -> None:
+    """Run a job again (after a worker died under it, say); it converges to the same state."""
+    if get_job(settings, job_id) is None:
+        raise JobNotFound(job_id)
+    _update_job(settings, job_id, state="queued")
+    _dispatch(settings, job_id, wait)
+
+
+def _dispatch(settings: Settings, job_id: str, wait: bool) -> None:
+    if settings.redis_url:
+        from ingest.celery_app import INGEST_TASK, celery_for
+
+        task = celery_for(settings).send_task(INGEST_TASK, args=[job_id])
+        _update_job(settings, job_id, celery_task_id=task.id)
+        if wait:
+            wait_for_job(settings, job_id)
+    elif wait:
+        run_ingestion_job(settings, job_id)
+    else:
+        thread = threading.Thread(
+            target=_run_quietly, args=(settings, job_id), name=f"ingest-{job_id}", daemon=True
+        )
+        thread.start()
+
+
+def _run_quietly(settings: Settings, job_id: str) -> None:
+    # The job row records the failure; a background thread has no one to raise to.
+    try:
+        run_ingestion_job(settings, job_id)
+    except Exception:
+        return
+
+
+def get_job(settings: Settings, job_id: str) -> JobStatus | None:
+    with session_scope(_url(settings)) as session:
+        row = session.get(IngestionJob, job_id)
+        return JobStatus.of(row) if row is not None else None
+
+
+def list_jobs(settings: Settings, tenant_id: str | None = None, limit: int = 50) -> list[JobStatus]:
+    """The newest jobs first."""
+    query = select(IngestionJob).order_by(IngestionJob.created_at.desc()).limit(limit)
+    if tenant_id is not None:
+        query = query.where(IngestionJob.tenant_id == tenant_id)
+    with session_scope(_url(settings)) as session:
+        return [JobStatus.of(row) for row in session.scalars(query)]
+
+
+def wait_for_job(
+    settings: Settings, job_id: str, timeout_s: float = 3600, poll_s: float = 0.2
+) -> JobStatus:
+    """Poll until the job succeeds or fails; TimeoutError after ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        status = get_job(settings, job_id)
+        if status is None:
+            raise JobNotFound(job_id)
+        if status.finished:
+            return status
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"job {job_id} still {status.state} after {timeout_s:.0f}s")
+        time.sleep(poll_s)
+
+
+def run_ingestion_job(settings: Settings, job_id: str) -> JobStatus:
+    """The task body, the same under Celery and in process: load the paths, index them, sweep
+    the tenant's vectors, record the outcome. A job that already succeeded returns at once."""
+    with session_scope(_url(settings)) as session:
+        row = session.get(IngestionJob, job_id)
+        if row is None:
+            raise JobNotFound(job_id)
+        if row.state == "succeeded":
+            return JobStatus.of(row)
+        tenant_id, request = row.tenant_id, dict(row.request)
+    # A fresh attempt recounts from zero: what an earlier attempt committed shows up as unchanged.
+    _update_job(
+        settings,
+        job_id,
+        state="running",
+        done_sources=0,
+        total_sources=0,
+        chunks_embedded=0,
+        chunks_skipped=0,
+        errors={},
+        summary={},
+    )
+    try:
+        rt = runtime(settings)
+        loaded = load_paths(
+            request["paths"],
+            max_file_bytes=settings.max_file_bytes,
+            prefix=request.get("prefix", ""),
+        )
+
+        def progress(p: IndexProgress) -> None:
+            _update_job(
+                settings,
+                job_id,
+                total_sources=p.total,
+                done_sources=p.done,
+                chunks_embedded=p.chunks_embedded,
+                chunks_skipped=p.chunks_skipped,
+                errors=p.errors,
+            )
+
+        result = index_sources(
+            loaded.documents,
+            failures=loaded.failures,
+            tenant_id=tenant_id,
+            sessions=rt.sessions,
+            embedder=rt.embedder,
+            index=rt.index,
+            chunker=rt.chunker,
+            cleanup=request.get("cleanup"),
+            cleanup_prefix=request.get("prefix", ""),
+            progress=progress,
+            batch_size=int(request.get("batch_size", DEFAULT_BATCH_SIZE)),
+            job_id=job_id,
+        )
+        swept = truth.sweep(rt.sessions, rt.index, tenant_id, model_id=rt.embedder.model_id)
+        rt.index.optimize()
+    except Exception as error:
+        _update_job(
+            settings, job_id, state="failed", summary={"error": f"{type(error).__name__}: {error}"}
+        )
+        raise
+    summary = {**result.counts(), "epochs": result.epochs, "sweep": asdict(swept)}
+    return _update_job(settings, job_id, state="succeeded", errors=result.errors, summary=summary)
+
+
+def note_retry(
+    settings: Settings, job_id: str, error: BaseException, attempt: int, delay_s: float
+) -> None:
+    """Record that a run failed for a transient reason and is queued again."""
+    _update_job(
+        settings,
+        job_id,
+        state="queued",
+        summary={
+            "error": f"{type(error).__name__}: {error}",
+            "retry": attempt,
+            "retry_in_s": round(delay_s, 1),
+        },
+    )
+
+
+def _update_job(settings: Settings, job_id: str, **values: Any) -> JobStatus:
+    with session_scope(_url(settings)) as session:
+        row = session.get(IngestionJob, job_id)
+        if row is None:
+            raise JobNotFound(job_id)
+        for name, value in values.items():
+            setattr(row, name, value)
+        session.flush()
+        return JobStatus.of(row)
+
+
+def _url(settings: Settings) -> str:
+    """The database URL, its schema brought to head (and the embedded data dir created)."""
+    if not settings.database_url:
+        settings.data_dir.mkdir(parents=True, exist_ok=True)
+    _schema_ready(settings.sqlalchemy_url)
+    return settings.sqlalchemy_url
+
+
+# ---------------------------------------------------------------------------------------------
+# Sources
+# ---------------------------------------------------------------------------------------------
+
+
+def list_sources(settings: Settings, tenant_id: str) -> list[SourceInfo]:
+    """Every source of the tenant, deleted ones included, with its newest version."""
+    with session_scope(_url(settings)) as session:
+        return truth.list_sources(session, tenant_id)
+
+
+def list_versions(settings: Settings, tenant_id: str, source_id: str) -> list[VersionInfo]:
+    """A source's versions, oldest first; SourceNotFound when the tenant has no such source."""
+    with session_scope(_url(settings)) as session:
+        versions = truth.list_versions(session, tenant_id, source_id)
+    if not versions:
+        raise SourceNotFound(source_id)
+    return versions
+
+
+def deprecate_source(settings: Settings, tenant_id: str, source_id: str) -> SourceChange:
+    """Close the source's open version as deprecated at a new epoch; history stays replayable."""
+    return _close(settings, tenant_id, source_id, "deprecated")
+
+
+def delete_source(settings: Settings, tenant_id: str, source_id: str) -> SourceChange:
+    """Close the source's open version as deleted (a tombstone); history stays replayable."""
+    return _close(settings, tenant_id, source_id, "deleted")
+
+
+def _close(settings: Settings, tenant_id: str, source_id: str, status: str) -> SourceChange:
+    rt = runtime(settings)
+    result = truth.close_source(rt.sessions, rt.index, tenant_id, source_id, status)
+    with rt.sessions() as session:
+        versions = truth.list_versions(session, tenant_id, source_id)
+    if not versions:
+        raise SourceNotFound(source_id)
+    return SourceChange(
+        tenant_id, source_id, versions[-1].status, result.epoch is not None, result.epoch
+    )

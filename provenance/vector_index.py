@@ -1,0 +1,610 @@
+"""The vector index: one small interface, two backends.
+
+``EdgeIndex`` runs Qdrant's Rust engine in process (qdrant-edge-py) and is the embedded
+default; ``QdrantClientIndex`` speaks to a Qdrant server through qdrant-client (or to the
+client's local mode in tests). Both store one point per chunk, keyed by the chunk's
+deterministic UUID, with the payload ``{tenant, source_id, version, chunk_id, chunk_hash,
+valid_from, valid_to, live}``.
+
+A point is visible at snapshot E iff ``valid_from <= E < valid_to`` — the same test SQL uses.
+Range filters are slow when they match most of a large index, so ``live`` (the tenant while the
+version is open, "" once closed) gives a keyword fast path: when no point of the tenant was
+closed after E, the visible set is exactly the live points with ``valid_from <= E``. The index
+only mirrors SQL; callers still check hits against SQL visibility (``provenance.memory``), which
+covers points written ahead of a commit that never happened and closes whose payload update was
+cut short. ``provenance.truth.sweep`` repairs both.
+
+Search is exact and returns hits in a total order: score descending, then chunk hash, then
+chunk id.
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from threading import Lock
+from typing import Any, Protocol
+
+import numpy as np
+
+from provenance.models import OPEN_EPOCH
+from provenance.settings import Settings
+
+SCAN_PAGE = 1024
+# Range conditions travel as float64, where OPEN_EPOCH (2^63 - 1) rounds up to 2^63; real epochs
+# stay far below 2^53, so "closed" is ``valid_to < CLOSED_BELOW``, a bound floats hold exactly.
+CLOSED_BELOW = 2**53
+PAYLOAD_FIELDS = [
+    "tenant",
+    "source_id",
+    "version",
+    "chunk_id",
+    "chunk_hash",
+    "valid_from",
+    "valid_to",
+]
+
+
+@dataclass(frozen=True, slots=True)
+class IndexPoint:
+    """One chunk's point. ``vector`` is None when the point comes back from ``scan``."""
+
+    chunk_id: str
+    tenant_id: str
+    source_id: str
+    version: int
+    chunk_hash: str
+    valid_from: int
+    valid_to: int = OPEN_EPOCH
+    vector: np.ndarray | None = None
+
+    def payload(self) -> dict[str, Any]:
+        return {
+            "tenant": self.tenant_id,
+            "source_id": self.source_id,
+            "version": self.version,
+            "chunk_id": self.chunk_id,
+            "chunk_hash": self.chunk_hash,
+            "valid_from": self.valid_from,
+            "valid_to": self.valid_to,
+            "live": self.tenant_id if self.valid_to == OPEN_EPOCH else "",
+        }
+
+    @classmethod
+    def from_payload(cls, payload: dict[str, Any]) -> IndexPoint:
+        return cls(
+            chunk_id=payload["chunk_id"],
+            tenant_id=payload["tenant"],
+            source_id=payload["source_id"],
+            version=int(payload["version"]),
+            chunk_hash=payload["chunk_hash"],
+            valid_from=int(payload["valid_from"]),
+            valid_to=int(payload["valid_to"]),
+        )
+
+    def same_payload(self, other: IndexPoint) -> bool:
+        return self.payload() == other.payload()
+
+
+@dataclass(frozen=True, slots=True)
+class IndexHit:
+    chunk_id: str
+    score: float
+    chunk_hash: str
+    source_id: str
+    version: int
+    valid_from: int
+    valid_to: int
+
+    @property
+    def order_key(self) -> tuple[float, str, str]:
+        return (-self.score, self.chunk_hash, self.chunk_id)
+
+
+class VectorIndex(Protocol):
+    dim: int
+
+    def upsert(self, points: Sequence[IndexPoint]) -> None:
+        """Write points (vector and payload); the same chunk id overwrites, so re-runs converge."""
+        ...
+
+    def close_version(self, tenant_id: str, source_id: str, version: int, valid_to: int) -> None:
+        """Set ``valid_to`` (and clear ``live``) on every point of one source version."""
+        ...
+
+    def set_payloads(self, points: Sequence[IndexPoint]) -> None:
+        """Overwrite the payload of existing points with the given ones (the sweep's repair)."""
+        ...
+
+    def delete(self, chunk_ids: Sequence[str]) -> None: ...
+
+    def search(
+        self, tenant_id: str, vector: np.ndarray, snapshot_epoch: int, limit: int
+    ) -> list[IndexHit]:
+        """Exact top-``limit`` among the tenant's points visible at ``snapshot_epoch``."""
+        ...
+
+    def scan(self, tenant_id: str | None = None) -> Iterator[IndexPoint]:
+        """Every point (payload only), for the sweep."""
+        ...
+
+    def count(self, tenant_id: str | None = None) -> int: ...
+
+    def flush(self) -> None:
+        """Make every write so far durable."""
+        ...
+
+    def optimize(self) -> None:
+        """Compact segments after a bulk of writes (a no-op where the server does it)."""
+        ...
+
+    def close(self) -> None: ...
+
+
+def _hit(point_id: Any, score: float, payload: dict[str, Any]) -> IndexHit:
+    return IndexHit(
+        chunk_id=str(point_id),
+        # Qdrant scores are float32; qdrant-client's local mode computes in float64 and its last
+        # bits vary between calls, so every backend's score is cut to float32.
+        score=float(np.float32(score)),
+        chunk_hash=payload["chunk_hash"],
+        source_id=payload["source_id"],
+        version=int(payload["version"]),
+        valid_from=int(payload["valid_from"]),
+        valid_to=int(payload["valid_to"]),
+    )
+
+
+def exact_top(
+    query: Callable[[int], list[IndexHit]], limit: int, keep: Callable[[IndexHit], bool]
+) -> list[IndexHit]:
+    """Top ``limit`` hits that pass ``keep``, in the total order, ties at the cut included.
+
+    ``query(n)`` returns the backend's best ``n`` by score. Fetch more while the page is full
+    and either too few hits pass ``keep`` or the last fetched score still ties the cut, so the
+    chunk-hash tie-break sees every candidate and the answer does not depend on how the backend
+    orders equal scores.
+    """
+    if limit <= 0:
+        return []
+    # One more than asked: a lower score after the cut proves no tie hides beyond the page.
+    fetch = limit + 1
+    while True:
+        raw = query(fetch)
+        kept = sorted((h for h in raw if keep(h)), key=lambda h: h.order_key)
+        exhausted = len(raw) < fetch
+        if exhausted:
+            return kept[:limit]
+        if len(kept) >= limit and min(h.score for h in raw) < kept[limit - 1].score:
+            return kept[:limit]
+        fetch *= 2
+
+
+class _VisibilitySearch:
+    """The search strategy both backends share; they supply the two primitive queries."""
+
+    def _query(
+        self, vector: np.ndarray, tenant_id: str, snapshot_epoch: int | None, limit: int
+    ) -> list[IndexHit]:
+        """Best ``limit`` by score: live points when ``snapshot_epoch`` is None, else the range."""
+        raise NotImplementedError
+
+    def _latest_close(self, tenant_id: str) -> int:
+        """The largest ``valid_to`` among the tenant's closed points (0 when none)."""
+        raise NotImplementedError
+
+    def search(
+        self, tenant_id: str, vector: np.ndarray, snapshot_epoch: int, limit: int
+    ) -> list[IndexHit]:
+        vector = np.asarray(vector, dtype=np.float32)
+        epoch = snapshot_epoch
+        if self._latest_close(tenant_id) <= epoch:
+            hits = exact_top(
+                lambda n: self._query(vector, tenant_id, None, n),
+                limit,
+                keep=lambda h: h.valid_from <= epoch,
+            )
+            # A close applied while we searched could have hidden points visible at the
+            # snapshot; seeing none after the search proves the live set was the right one.
+            if self._latest_close(tenant_id) <= epoch:
+                return hits
+        return exact_top(
+            lambda n: self._query(vector, tenant_id, epoch, n),
+            limit,
+            keep=lambda h: h.valid_from <= epoch < h.valid_to,
+        )
+
+
+def _point_uuid(chunk_id: str) -> str:
+    return str(uuid.UUID(chunk_id))
+
+
+# ---------------------------------------------------------------------------------------------
+# Qdrant Edge: the embedded default
+# ---------------------------------------------------------------------------------------------
+
+
+class EdgeIndex(_VisibilitySearch):
+    """Qdrant's engine in process, stored under one directory.
+
+    Vectors are stored as float16 by default: exact search reads every candidate vector, so
+    halving the bytes per vector nearly halves latency on a memory-bound scan (cosine scores
+    move by ~1e-4, ranking is still exact over what is stored; SQL keeps the float32
+    originals). Segments carry no HNSW graph (m=0): every search is a full, exact scan, and
+    ``optimize`` only turns appendable segments into compact immutable ones.
+
+    One process may open a directory at a time; ``open_vector_index`` shares the handle inside
+    a process.
+    """
+
+    def __init__(self, path: Path | str, dim: int, datatype: str = "float16") -> None:
+        import qdrant_edge as qe
+
+        self._qe = qe
+        self.dim = dim
+        self.path = Path(path)
+        storage = {"float16": qe.VectorStorageDatatype.Float16, "float32": None}[datatype]
+        config = qe.EdgeConfig(
+            vectors=qe.EdgeVectorParams(size=dim, distance=qe.Distance.Cosine, datatype=storage),
+            hnsw_config=qe.HnswIndexConfig(m=0, ef_construct=100, full_scan_threshold=10_000),
+            optimizers=qe.EdgeOptimizersConfig(indexing_threshold=1_000),
+            payload_memory=qe.Memory.Cached,
+        )
+        stored = self.path / "edge_config.json"
+        if stored.exists():
+            # An existing shard keeps the layout it was created with; only the size must match.
+            size = json.loads(stored.read_text())["vectors"][""]["size"]
+            if size != dim:
+                raise ValueError(
+                    f"the vector index at {self.path} holds {size}-dimensional vectors, but the "
+                    f"embedder gives {dim}: use another collection name (INHERENT_COLLECTION)"
+                )
+            self._shard = qe.EdgeShard.load(str(self.path))
+        else:
+            self.path.mkdir(parents=True, exist_ok=True)
+            self._shard = qe.EdgeShard.create(str(self.path), config)
+            for field_name, schema in self._payload_indexes().items():
+                self._shard.update(qe.UpdateOperation.create_field_index(field_name, schema))
+
+    def _payload_indexes(self) -> dict[str, Any]:
+        qe = self._qe
+        return {
+            "tenant": qe.KeywordIndexParams(is_tenant=True),
+            "live": qe.KeywordIndexParams(is_tenant=True),
+            "source_id": qe.PayloadSchemaType.Keyword,
+            "version": qe.IntegerIndexParams(lookup=True, range=False),
+            "valid_from": qe.IntegerIndexParams(lookup=False, range=True),
+            "valid_to": qe.IntegerIndexParams(lookup=True, range=True),
+        }
+
+    def _match(self, key: str, value: Any) -> Any:
+        return self._qe.FieldCondition(key=key, match=self._qe.MatchValue(value))
+
+    def _version_filter(self, tenant_id: str, source_id: str, version: int) -> Any:
+        return self._qe.Filter(
+            must=[
+                self._match("tenant", tenant_id),
+                self._match("source_id", source_id),
+                self._match("version", version),
+            ]
+        )
+
+    def upsert(self, points: Sequence[IndexPoint]) -> None:
+        qe = self._qe
+        for start in range(0, len(points), SCAN_PAGE):
+            batch = [
+                qe.Point(_point_uuid(p.chunk_id), _as_list(p.vector, self.dim), p.payload())
+                for p in points[start : start + SCAN_PAGE]
+            ]
+            self._shard.update(qe.UpdateOperation.upsert_points(batch))
+
+    def close_version(self, tenant_id: str, source_id: str, version: int, valid_to: int) -> None:
+        self._shard.update(
+            self._qe.UpdateOperation.set_payload_by_filter(
+                self._version_filter(tenant_id, source_id, version),
+                {"valid_to": valid_to, "live": tenant_id if valid_to == OPEN_EPOCH else ""},
+            )
+        )
+
+    def set_payloads(self, points: Sequence[IndexPoint]) -> None:
+        for p in points:
+            self._shard.update(
+                self._qe.UpdateOperation.overwrite_payload([_point_uuid(p.chunk_id)], p.payload())
+            )
+
+    def delete(self, chunk_ids: Sequence[str]) -> None:
+        if chunk_ids:
+            ids = [_point_uuid(c) for c in chunk_ids]
+            self._shard.update(self._qe.UpdateOperation.delete_points(ids))
+
+    def _query(
+        self, vector: np.ndarray, tenant_id: str, snapshot_epoch: int | None, limit: int
+    ) -> list[IndexHit]:
+        qe = self._qe
+        if snapshot_epoch is None:
+            flt = qe.Filter(must=[self._match("live", tenant_id)])
+        else:
+            flt = qe.Filter(
+                must=[
+                    self._match("tenant", tenant_id),
+                    qe.FieldCondition(key="valid_from", range=qe.RangeFloat(lte=snapshot_epoch)),
+                    qe.FieldCondition(key="valid_to", range=qe.RangeFloat(gt=snapshot_epoch)),
+                ]
+            )
+        found = self._shard.search(
+            qe.SearchRequest(
+                query=qe.Query.Nearest(vector.tolist()),
+                limit=limit,
+                filter=flt,
+                params=qe.SearchParams(exact=True),
+                with_payload=PAYLOAD_FIELDS,
+            )
+        )
+        return [_hit(p.id, p.score, p.payload) for p in found]
+
+    def _latest_close(self, tenant_id: str) -> int:
+        qe = self._qe
+        records, _ = self._shard.scroll(
+            qe.ScrollRequest(
+                limit=1,
+                filter=qe.Filter(must=[self._match("tenant", tenant_id), self._match("live", "")]),
+                with_payload=["valid_to"],
+                order_by=qe.OrderBy(
+                    key="valid_to", direction=qe.Direction.Desc, start_from=CLOSED_BELOW
+                ),
+            )
+        )
+        return int(records[0].payload["valid_to"]) if records else 0
+
+    def scan(self, tenant_id: str | None = None) -> Iterator[IndexPoint]:
+        qe = self._qe
+        flt = qe.Filter(must=[self._match("tenant", tenant_id)]) if tenant_id else None
+        offset = None
+        while True:
+            records, offset = self._shard.scroll(
+                qe.ScrollRequest(offset=offset, limit=SCAN_PAGE, filter=flt, with_payload=True)
+            )
+            for record in records:
+                yield IndexPoint.from_payload(record.payload)
+            if offset is None:
+                return
+
+    def count(self, tenant_id: str | None = None) -> int:
+        qe = self._qe
+        flt = qe.Filter(must=[self._match("tenant", tenant_id)]) if tenant_id else None
+        return self._shard.count(qe.CountRequest(exact=True, filter=flt))
+
+    def flush(self) -> None:
+        self._shard.flush()
+
+    def optimize(self) -> None:
+        self._shard.optimize()
+
+    def close(self) -> None:
+        self._shard.close()
+
+
+# ---------------------------------------------------------------------------------------------
+# qdrant-client: a Qdrant server in production, the client's local mode in tests
+# ---------------------------------------------------------------------------------------------
+
+
+class QdrantClientIndex(_VisibilitySearch):
+    """A collection on a Qdrant server (or in qdrant-client's local mode, which speaks the same
+    API: ``QdrantClient(location=":memory:")`` or ``QdrantClient(path=...)``)."""
+
+    def __init__(self, client: Any, collection: str, dim: int) -> None:
+        from qdrant_client import models as qm
+
+        self._qm = qm
+        self.client = client
+        self.collection = collection
+        self.dim = dim
+        if not client.collection_exists(collection):
+            client.create_collection(
+                collection,
+                vectors_config=qm.VectorParams(size=dim, distance=qm.Distance.COSINE),
+            )
+            if not self._is_local:
+                for field_name, schema in self._payload_indexes().items():
+                    client.create_payload_index(collection, field_name, schema, wait=True)
+        size = self._vector_size()
+        if size != dim:
+            raise ValueError(
+                f"Qdrant collection {collection!r} holds {size}-dimensional vectors, "
+                f"but the embedder gives {dim}: use another collection name (INHERENT_COLLECTION)"
+            )
+
+    @property
+    def _is_local(self) -> bool:
+        # Local mode keeps no payload indexes (it warns on every create); the server does.
+        return type(self.client._client).__name__ == "QdrantLocal"
+
+    def _vector_size(self) -> int:
+        vectors = self.client.get_collection(self.collection).config.params.vectors
+        return vectors.size if hasattr(vectors, "size") else next(iter(vectors.values())).size
+
+    def _payload_indexes(self) -> dict[str, Any]:
+        qm = self._qm
+        return {
+            "tenant": qm.KeywordIndexParams(type=qm.KeywordIndexType.KEYWORD, is_tenant=True),
+            "live": qm.KeywordIndexParams(type=qm.KeywordIndexType.KEYWORD, is_tenant=True),
+            "source_id": qm.PayloadSchemaType.KEYWORD,
+            "version": qm.IntegerIndexParams(
+                type=qm.IntegerIndexType.INTEGER, lookup=True, range=False
+            ),
+            "valid_from": qm.IntegerIndexParams(
+                type=qm.IntegerIndexType.INTEGER, lookup=False, range=True
+            ),
+            "valid_to": qm.IntegerIndexParams(
+                type=qm.IntegerIndexType.INTEGER, lookup=True, range=True
+            ),
+        }
+
+    def _match(self, key: str, value: Any) -> Any:
+        return self._qm.FieldCondition(key=key, match=self._qm.MatchValue(value=value))
+
+    def upsert(self, points: Sequence[IndexPoint]) -> None:
+        qm = self._qm
+        for start in range(0, len(points), SCAN_PAGE):
+            batch = [
+                qm.PointStruct(
+                    id=_point_uuid(p.chunk_id),
+                    vector=_as_list(p.vector, self.dim),
+                    payload=p.payload(),
+                )
+                for p in points[start : start + SCAN_PAGE]
+            ]
+            self.client.upsert(self.collection, points=batch, wait=True)
+
+    def close_version(self, tenant_id: str, source_id: str, version: int, valid_to: int) -> None:
+        qm = self._qm
+        self.client.set_payload(
+            self.collection,
+            payload={"valid_to": valid_to, "live": tenant_id if valid_to == OPEN_EPOCH else ""},
+            points=qm.Filter(
+                must=[
+                    self._match("tenant", tenant_id),
+                    self._match("source_id", source_id),
+                    self._match("version", version),
+                ]
+            ),
+            wait=True,
+        )
+
+    def set_payloads(self, points: Sequence[IndexPoint]) -> None:
+        for p in points:
+            self.client.overwrite_payload(
+                self.collection, payload=p.payload(), points=[_point_uuid(p.chunk_id)], wait=True
+            )
+
+    def delete(self, chunk_ids: Sequence[str]) -> None:
+        if chunk_ids:
+            self.client.delete(
+                self.collection,
+                points_selector=self._qm.PointIdsList(points=[_point_uuid(c) for c in chunk_ids]),
+                wait=True,
+            )
+
+    def _query(
+        self, vector: np.ndarray, tenant_id: str, snapshot_epoch: int | None, limit: int
+    ) -> list[IndexHit]:
+        qm = self._qm
+        if snapshot_epoch is None:
+            flt = qm.Filter(must=[self._match("live", tenant_id)])
+        else:
+            flt = qm.Filter(
+                must=[
+                    self._match("tenant", tenant_id),
+                    qm.FieldCondition(key="valid_from", range=qm.Range(lte=snapshot_epoch)),
+                    qm.FieldCondition(key="valid_to", range=qm.Range(gt=snapshot_epoch)),
+                ]
+            )
+        response = self.client.query_points(
+            self.collection,
+            query=vector.tolist(),
+            query_filter=flt,
+            limit=limit,
+            # Local mode is always brute force and warns about search params.
+            search_params=None if self._is_local else qm.SearchParams(exact=True),
+            with_payload=PAYLOAD_FIELDS,
+        )
+        return [_hit(p.id, p.score, p.payload) for p in response.points]
+
+    def _latest_close(self, tenant_id: str) -> int:
+        qm = self._qm
+        records, _ = self.client.scroll(
+            self.collection,
+            scroll_filter=qm.Filter(
+                must=[
+                    self._match("tenant", tenant_id),
+                    self._match("live", ""),
+                    qm.FieldCondition(key="valid_to", range=qm.Range(lt=CLOSED_BELOW)),
+                ]
+            ),
+            limit=1,
+            order_by=qm.OrderBy(
+                key="valid_to", direction=qm.Direction.DESC, start_from=CLOSED_BELOW
+            ),
+            with_payload=["valid_to"],
+        )
+        return int(records[0].payload["valid_to"]) if records else 0
+
+    def scan(self, tenant_id: str | None = None) -> Iterator[IndexPoint]:
+        flt = self._qm.Filter(must=[self._match("tenant", tenant_id)]) if tenant_id else None
+        offset = None
+        while True:
+            records, offset = self.client.scroll(
+                self.collection,
+                scroll_filter=flt,
+                limit=SCAN_PAGE,
+                offset=offset,
+                with_payload=True,
+            )
+            for record in records:
+                yield IndexPoint.from_payload(record.payload)
+            if offset is None:
+                return
+
+    def count(self, tenant_id: str | None = None) -> int:
+        flt = self._qm.Filter(must=[self._match("tenant", tenant_id)]) if tenant_id else None
+        return self.client.count(self.collection, count_filter=flt, exact=True).count
+
+    def flush(self) -> None:
+        # Writes use wait=True: the server has applied them when the call returns.
+        return None
+
+    def optimize(self) -> None:
+        return None
+
+    def close(self) -> None:
+        self.client.close()
+
+
+def _as_list(vector: np.ndarray | None, dim: int) -> list[float]:
+    if vector is None:
+        raise ValueError("a point needs its vector to be written")
+    values = np.asarray(vector, dtype=np.float32).reshape(-1)
+    if values.shape[0] != dim:
+        raise ValueError(f"vector has {values.shape[0]} dimensions, the index holds {dim}")
+    return values.tolist()
+
+
+_open_indexes: dict[tuple[str, str, int], VectorIndex] = {}
+_open_lock = Lock()
+
+
+def open_vector_index(settings: Settings, dim: int) -> VectorIndex:
+    """The configured index, opened once per process: a Qdrant server when ``qdrant_url`` is
+    set, else the embedded Edge shard under ``embedded_index_dir/<collection>``.
+
+    The embedded shard must not be opened by two processes at once: with Celery workers, point
+    ``qdrant_url`` at a server.
+    """
+    if settings.qdrant_url:
+        key = ("server", f"{settings.qdrant_url}#{settings.collection}", dim)
+    else:
+        key = ("edge", str((settings.embedded_index_dir / settings.collection).resolve()), dim)
+    with _open_lock:
+        index = _open_indexes.get(key)
+        if index is None:
+            if settings.qdrant_url:
+                from qdrant_client import QdrantClient
+
+                client = QdrantClient(url=settings.qdrant_url, api_key=settings.qdrant_api_key)
+                index = QdrantClientIndex(client, settings.collection, dim)
+            else:
+                index = EdgeIndex(settings.embedded_index_dir / settings.collection, dim)
+            _open_indexes[key] = index
+        return index
+
+
+def close_vector_indexes() -> None:
+    """Close every index ``open_vector_index`` opened in this process (tests, shutdown)."""
+    with _open_lock:
+        for index in _open_indexes.values():
+            index.close()
+        _open_indexes.clear()

@@ -1,0 +1,252 @@
+"""The model against transformers: same logits, same greedy text, however the tokens are batched.
+
+Fast tests use a tiny random Llama written as a Hugging Face folder; the slow ones load the
+bundled SmolLM2-135M GGUF and transformers' own GGUF loading of it.
+"""
+
+import pytest
+import torch
+from engine_fixtures import (  # noqa: F401 (fixtures)
+    CHAT_PROMPTS,
+    PagedRunner,
+    bundled_cache_dir,
+    bundled_checkpoint,
+    bundled_model,
+    chat,
+    greedy_generate,
+    hf_model,
+    until_eos,
+    write_tiny_llama,
+)
+
+from engine.loader import load_hf_dir
+from engine.model import LlamaModel, ModelConfig, allocate_kv_cache, rope_inv_freq
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    """A tiny random Llama and transformers' LlamaForCausalLM on the same folder."""
+    from transformers import LlamaForCausalLM
+
+    path = write_tiny_llama(tmp_path_factory.mktemp("tiny"))
+    checkpoint = load_hf_dir(path)
+    return LlamaModel(checkpoint.config, checkpoint.weights), LlamaForCausalLM.from_pretrained(
+        path
+    ).eval()
+
+
+def test_tiny_model_matches_transformers_at_every_position(tiny):
+    model, reference = tiny
+    ids = torch.randint(3, 300, (40,), generator=torch.Generator().manual_seed(1)).tolist()
+    runner = PagedRunner(model)
+    ours = runner.step([("a", ids)])  # last position only
+    with torch.no_grad():
+        theirs = reference(torch.tensor([ids])).logits[0]
+    torch.testing.assert_close(ours[0], theirs[-1], atol=1e-4, rtol=1e-4)
+    # then token by token (decode steps) over the same cache
+    for step in range(8):
+        token = int(theirs[-1].argmax())
+        ids.append(token)
+        ours = runner.step([("a", [token])])
+        with torch.no_grad():
+            theirs = reference(torch.tensor([ids])).logits[0]
+        torch.testing.assert_close(
+            ours[0], theirs[-1], atol=1e-4, rtol=1e-4, msg=f"decode step {step}"
+        )
+
+
+@pytest.mark.parametrize("chunks", [(40,), (16, 16, 8), (1, 20, 19), (7, 1, 32)])
+def test_chunked_prefill_matches_one_shot(tiny, chunks):
+    model, _ = tiny
+    ids = torch.randint(3, 300, (sum(chunks),), generator=torch.Generator().manual_seed(2)).tolist()
+    expected = PagedRunner(model).step([("a", ids)])[0]
+    runner, start = PagedRunner(model, seed=5), 0
+    for n in chunks:
+        logits = runner.step([("a", ids[start : start + n])])[0]
+        start += n
+    torch.testing.assert_close(logits, expected, atol=1e-5, rtol=1e-5)
+
+
+def test_mixed_batch_matches_sequences_run_alone(tiny):
+    """Decodes of different lengths, a first prefill chunk and a later one, in one forward."""
+    model, _ = tiny
+    gen = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(3, 300, (n,), generator=gen).tolist() for n in (5, 33, 17, 60, 12, 48)]
+    alone = [PagedRunner(model).step([(0, p)])[0] for p in prompts]
+
+    runner = PagedRunner(model, seed=9)
+    # sequences 0-3 are decoding (their last token still to feed), 4 starts its prefill, 5 is mid-prefill
+    runner.step([(i, prompts[i][:-1]) for i in range(4)] + [(5, prompts[5][:20])])
+    work = [
+        (3, prompts[3][-1:]),
+        (4, prompts[4]),
+        (0, prompts[0][-1:]),
+        (5, prompts[5][20:]),
+        (2, prompts[2][-1:]),
+        (1, prompts[1][-1:]),
+    ]
+    logits = runner.step(work)
+    for (seq, _), row in zip(work, logits, strict=True):
+        torch.testing.assert_close(row, alone[seq], atol=1e-5, rtol=1e-5, msg=f"sequence {seq}")
+
+
+def test_many_decodes_of_different_lengths_in_one_step(tiny):
+    """More decodes than one attention chunk holds, in an order unsorted by length."""
+    model, _ = tiny
+    gen = torch.Generator().manual_seed(4)
+    lengths = [int(n) for n in torch.randint(2, 90, (21,), generator=gen)]
+    prompts = [torch.randint(3, 300, (n,), generator=gen).tolist() for n in lengths]
+    alone = [PagedRunner(model).step([(0, p)])[0] for p in prompts]
+    runner = PagedRunner(model, num_blocks=1024, seed=11)
+    runner.step([(i, p[:-1]) for i, p in enumerate(prompts)])
+    logits = runner.step([(i, p[-1:]) for i, p in enumerate(prompts)])
+    torch.testing.assert_close(logits, torch.stack(alone), atol=1e-5, rtol=1e-5)
+
+
+def test_bf16_matmuls_on_large_steps_stay_close(tmp_path):
+    checkpoint = load_hf_dir(write_tiny_llama(tmp_path))
+    fp32 = LlamaModel(checkpoint.config, checkpoint.weights)
+    mixed = LlamaModel(checkpoint.config, checkpoint.weights, bf16_min_tokens=16)
+    bf16 = LlamaModel(checkpoint.config, checkpoint.weights, dtype=torch.bfloat16)
+    ids = torch.randint(3, 300, (40,), generator=torch.Generator().manual_seed(6)).tolist()
+    expected = PagedRunner(fp32).step([("a", ids)])[0]
+    scale = expected.abs().max()
+    for model in (mixed, bf16):
+        got = PagedRunner(model).step([("a", ids)])[0]
+        assert got.dtype == torch.float32
+        assert (got - expected).abs().max() < 0.05 * scale
+    # below the threshold the mixed model is the float32 model exactly
+    torch.testing.assert_close(
+        PagedRunner(mixed).step([("a", ids[:8])]),
+        PagedRunner(fp32).step([("a", ids[:8])]),
+        atol=0,
+        rtol=0,
+    )
+
+
+def test_bf16_kv_cache_with_fp32_weights(tiny):
+    model, _ = tiny
+    ids = torch.randint(3, 300, (30,), generator=torch.Generator().manual_seed(7)).tolist()
+    expected = PagedRunner(model).step([("a", ids)])[0]
+    got = PagedRunner(model, kv_dtype=torch.bfloat16).step([("a", ids)])[0]
+    assert (got - expected).abs().max() < 0.05 * expected.abs().max()
+
+
+@pytest.mark.parametrize(
+    "scaling",
+    [
+        {"rope_type": "linear", "factor": 4.0},
+        {
+            "rope_type": "llama3",
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 64,
+        },
+    ],
+)
+def test_rope_scaling_matches_transformers(tmp_path, scaling):
+    from transformers import LlamaForCausalLM
+
+    path = write_tiny_llama(tmp_path, rope_scaling=scaling, rope_theta=10000.0)
+    checkpoint = load_hf_dir(path)
+    assert checkpoint.config.rope_scaling["rope_type"] == scaling["rope_type"]
+    model = LlamaModel(checkpoint.config, checkpoint.weights)
+    reference = LlamaForCausalLM.from_pretrained(path).eval()
+    ids = torch.randint(3, 300, (200,), generator=torch.Generator().manual_seed(8)).tolist()
+    with torch.no_grad():
+        theirs = reference(torch.tensor([ids])).logits[0, -1]
+    torch.testing.assert_close(
+        PagedRunner(model).step([("a", ids)])[0], theirs, atol=1e-4, rtol=1e-4
+    )
+
+
+def test_rope_inv_freq_default_matches_transformers():
+    from transformers import LlamaConfig
+    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+
+    hf = LlamaConfig(hidden_size=576, num_attention_heads=9, rope_theta=100000.0)
+    config = ModelConfig.from_hf(hf.to_dict())
+    torch.testing.assert_close(
+        rope_inv_freq(config), LlamaRotaryEmbedding(hf).inv_freq, atol=0, rtol=0
+    )
+
+
+def test_kv_cache_layout():
+    config = ModelConfig(
+        vocab_size=10,
+        hidden_size=64,
+        intermediate_size=128,
+        num_layers=3,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=16,
+        rms_norm_eps=1e-5,
+        rope_theta=1e4,
+        max_position_embeddings=64,
+        tie_word_embeddings=True,
+    )
+    cache = allocate_kv_cache(config, num_blocks=7, block_size=4)
+    assert len(cache) == 3
+    assert cache[0].shape == (7, 4, 2, 2, 16) and not cache[0].any()
+
+
+# --- the bundled model --------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_first_step_logits_match_transformers(bundled_checkpoint, bundled_model, hf_model):
+    tokenizer = bundled_checkpoint.tokenizer
+    for prompt in CHAT_PROMPTS[:4]:
+        ids = tokenizer.encode_chat(chat(prompt))
+        ours = PagedRunner(bundled_model).step([("a", ids)])[0]
+        with torch.no_grad():
+            theirs = hf_model(torch.tensor([ids])).logits[0, -1]
+        assert (ours - theirs).abs().max() < 1e-3, prompt
+        assert int(ours.argmax()) == int(theirs.argmax())
+
+
+@pytest.mark.slow
+def test_greedy_continuations_match_transformers(bundled_checkpoint, bundled_model, hf_model):
+    """20 chat prompts, 64 greedy tokens each, all generated together with chunked prefills that
+    share steps with decodes; transformers generates them as one left-padded batch."""
+    tokenizer = bundled_checkpoint.tokenizer
+    eos = tokenizer.eos_token_ids
+    prompts = [tokenizer.encode_chat(chat(p)) for p in CHAT_PROMPTS]
+    ours, mixed_steps = greedy_generate(
+        bundled_model, prompts, 64, eos, prefill_chunk=24, token_budget=96
+    )
+    assert mixed_steps > 0
+
+    width = max(len(p) for p in prompts)
+    pad = tokenizer.eos_token_ids[0]
+    input_ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts])
+    attention_mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+    with torch.no_grad():
+        theirs = hf_model.generate(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            max_new_tokens=64,
+            do_sample=False,
+            eos_token_id=list(eos),
+            pad_token_id=pad,
+        )[:, width:]
+    same = [
+        until_eos(o, eos) == until_eos(t.tolist(), eos) for o, t in zip(ours, theirs, strict=True)
+    ]
+    assert sum(same) >= 19, [CHAT_PROMPTS[i] for i, s in enumerate(same) if not s]
+    assert tokenizer.decode(ours[0]).strip().startswith("The capital of France is Paris")
+
+
+@pytest.mark.slow
+def test_bundled_chunked_prefill_and_mixed_batch(bundled_checkpoint, bundled_model):
+    tokenizer = bundled_checkpoint.tokenizer
+    a, b, c = (tokenizer.encode_chat(chat(p)) for p in CHAT_PROMPTS[:3])
+    alone = [PagedRunner(bundled_model).step([(0, p)])[0] for p in (a, b, c)]
+
+    runner = PagedRunner(bundled_model, seed=3)
+    runner.step([("a", a[:-1]), ("b", b[:10])])
+    runner.step([("b", b[10:25])])
+    logits = runner.step([("a", a[-1:]), ("b", b[25:]), ("c", c)])
+    for row, expected in zip(logits, alone, strict=True):
+        assert (row - expected).abs().max() < 1e-4

@@ -1,0 +1,172 @@
+"""The tokenizer built from the GGUF vocabulary: round trips, transformers parity, streaming,
+chat templates."""
+
+import jinja2
+import pytest
+from engine_fixtures import (  # noqa: F401 (fixtures)
+    CHAT_PROMPTS,
+    bundled_cache_dir,
+    bundled_checkpoint,
+    chat,
+    hf_tokenizer,
+    write_tiny_llama,
+)
+
+from engine.loader import read_gguf
+from engine.model_files import bundled_model_path
+from engine.tokenizer import Tokenizer
+
+TEXTS = [
+    "Hello, world!",
+    "  leading and trailing spaces  ",
+    "Numbers: 2024, 3.14159, 1,000,000 and 007.",
+    "Unicode: café, naïve, Straße, 東京, Привет, 🚀🔥👍🏽",
+    "Code:\n\tdef f(x):\n\t\treturn x ** 2  # square\n",
+    "Tabs\tand\nnewlines\r\nand   multiple    spaces",
+    "<|im_start|>user\nspecial tokens inline<|im_end|>",
+    "",
+    "Mixed 日本語 and English with emoji 😀 in the middle.",
+    "don't won't it's we'll they've I'm",
+]
+
+
+@pytest.fixture(scope="module")
+def tokenizer() -> Tokenizer:
+    """Built straight from the GGUF metadata (no cache involved)."""
+    return Tokenizer.from_gguf_metadata(read_gguf(bundled_model_path()).metadata)
+
+
+@pytest.mark.parametrize("text", TEXTS)
+def test_round_trip(tokenizer, text):
+    ids = tokenizer.encode(text)
+    assert tokenizer.decode(ids, skip_special_tokens=False) == text
+
+
+def test_special_tokens_and_eos(tokenizer):
+    assert tokenizer.encode("<|im_start|><|im_end|>") == [1, 2]
+    assert tokenizer.eos_token_ids == (2,)
+    assert tokenizer.decode([1, 9690, 2]) == "system"  # special tokens skipped by default
+    assert tokenizer.vocab_size == 49152
+
+
+def test_digits_are_split_one_by_one(tokenizer):
+    """SmolLM2 was trained with every digit its own token (llama.cpp's "smollm" pre-tokenizer)."""
+    ids = tokenizer.encode("year 2024")
+    assert [tokenizer.decode([i]) for i in ids[-4:]] == ["2", "0", "2", "4"]
+
+
+def test_chat_template_renders_like_smollm2(tokenizer):
+    text = tokenizer.apply_chat_template(chat("Hi there"))
+    assert text == (
+        "<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face"
+        "<|im_end|>\n<|im_start|>user\nHi there<|im_end|>\n<|im_start|>assistant\n"
+    )
+    assert not tokenizer.apply_chat_template(chat("Hi"), add_generation_prompt=False).endswith(
+        "assistant\n"
+    )
+    assert tokenizer.encode_chat(chat("Hi"))[0] == 1
+
+
+def test_chat_template_is_sandboxed(tokenizer):
+    unsafe = Tokenizer(
+        tokenizer.backend,
+        special=tokenizer.special,
+        chat_template="{{ ''.__class__.__mro__[1].__subclasses__() }}",
+    )
+    with pytest.raises(jinja2.exceptions.SecurityError):
+        unsafe.apply_chat_template(chat("x"))
+
+
+def test_raise_exception_in_template(tokenizer):
+    strict = Tokenizer(
+        tokenizer.backend,
+        special=tokenizer.special,
+        chat_template="{% if messages[0]['role'] != 'user' %}{{ raise_exception('user first') }}{% endif %}",
+    )
+    with pytest.raises(jinja2.exceptions.TemplateError, match="user first"):
+        strict.apply_chat_template([{"role": "assistant", "content": "x"}])
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        "Emoji 🚀🔥👍🏽 and CJK 東京タワー split across byte tokens.",
+        "Plain ASCII streaming with spaces and punctuation!",
+        "Accents: café naïve résumé, and Ελληνικά, עברית.",
+    ],
+)
+def test_streaming_deltas_add_up_to_decode(tokenizer, text):
+    prompt = tokenizer.encode_chat(chat("Say something"))
+    generated = tokenizer.encode(text)
+    stream = tokenizer.detokenizer(prompt)
+    deltas = [stream.step(token) for token in generated]
+    assert "".join(deltas) == tokenizer.decode(generated) == text
+    assert all("\ufffd" not in d for d in deltas)
+
+
+def test_streaming_holds_back_partial_characters(tokenizer):
+    # "🚀" is four bytes; byte-level BPE may spell it as several tokens
+    ids = tokenizer.encode("🚀")
+    stream = tokenizer.detokenizer()
+    deltas = [stream.step(i) for i in ids]
+    assert deltas[-1] == "🚀" or "".join(deltas) == "🚀"
+    assert all(d in ("", "🚀") for d in deltas)
+
+
+def test_streaming_skips_special_tokens(tokenizer):
+    stream = tokenizer.detokenizer()
+    assert [stream.step(i) for i in tokenizer.encode("Hi<|im_end|>")] == ["Hi", ""]
+
+
+def test_save_and_reload(tokenizer, tmp_path):
+    tokenizer.save(tmp_path)
+    again = Tokenizer.from_dir(tmp_path)
+    assert again.chat_template == tokenizer.chat_template
+    assert again.eos_token_ids == tokenizer.eos_token_ids
+    assert again.special == tokenizer.special
+    for text in TEXTS:
+        assert again.encode(text) == tokenizer.encode(text)
+
+
+def test_hf_folder_tokenizer(tmp_path):
+    path = write_tiny_llama(tmp_path)
+    tokenizer = Tokenizer.from_dir(path)
+    assert tokenizer.eos_token_ids == (2,)
+    assert tokenizer.apply_chat_template(chat("ab")) == "<s>user: ab</s>"
+    assert tokenizer.encode_chat(chat("ab"))[0] == 1
+    assert tokenizer.decode(tokenizer.encode("héllo")) == "héllo"
+
+
+@pytest.mark.slow
+def test_matches_transformers_tokenizer(tokenizer, hf_tokenizer):
+    conversations = [chat(p) for p in CHAT_PROMPTS] + [
+        [
+            {"role": "system", "content": "You answer in French."},
+            {"role": "user", "content": "Bonjour, ça va ?"},
+            {"role": "assistant", "content": "Oui, très bien, merci !"},
+            {"role": "user", "content": "Et la date : 14/07/1789 ?"},
+        ]
+    ]
+    for messages in conversations:
+        ours = tokenizer.apply_chat_template(messages)
+        theirs = hf_tokenizer.apply_chat_template(
+            messages, tokenize=False, add_generation_prompt=True
+        )
+        assert ours == theirs
+        assert (
+            tokenizer.encode(ours, add_special_tokens=False)
+            == hf_tokenizer(ours, add_special_tokens=False).input_ids
+        )
+    for text in TEXTS:
+        assert tokenizer.encode(text) == hf_tokenizer(text).input_ids, text
+        ids = tokenizer.encode(text)
+        assert tokenizer.decode(ids) == hf_tokenizer.decode(ids, skip_special_tokens=True)
+
+
+@pytest.mark.slow
+def test_cached_tokenizer_matches_the_gguf_one(tokenizer, bundled_checkpoint):
+    cached = bundled_checkpoint.tokenizer  # read back from the cache folder's tokenizer.json
+    assert cached.chat_template == tokenizer.chat_template
+    assert cached.eos_token_ids == tokenizer.eos_token_ids
+    for text in TEXTS:
+        assert cached.encode(text) == tokenizer.encode(text)

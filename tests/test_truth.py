@@ -1,0 +1,345 @@
+"""The truth layer: versions as MVCC over epochs, the write order, crash recovery and the sweep."""
+
+import threading
+from datetime import UTC, datetime, timedelta
+
+import numpy as np
+import pytest
+from sqlalchemy import func, select
+
+from provenance import memory, truth
+from provenance.models import (
+    OPEN_EPOCH,
+    AuditLeaf,
+    Chunk,
+    Embedding,
+    Epoch,
+    EpochCounter,
+    SourceVersion,
+)
+from provenance.truth import content_hash
+from tests.ingest_support import (
+    BACKENDS,
+    draft,
+    make_index,
+    migrated_sessions,
+    vector_for,
+    vectors_of,
+)
+
+
+class Crash(RuntimeError):
+    """Stands for the process dying at one point of the write path."""
+
+
+class CrashingIndex:
+    """Passes every call through to a real index, but dies at the named method."""
+
+    def __init__(self, inner, crash_at: str, before: bool = True):
+        self.inner, self.crash_at, self.before = inner, crash_at, before
+
+    def __getattr__(self, name):
+        method = getattr(self.inner, name)
+        if name != self.crash_at:
+            return method
+
+        def crash(*args, **kwargs):
+            if not self.before:
+                method(*args, **kwargs)
+            raise Crash(name)
+
+        return crash
+
+
+class TextEmbedder:
+    """Query vectors for memory.retrieve: a chunk's own text finds that chunk first."""
+
+    model_id = "test-vectors"
+    dim = 16
+
+    def embed(self, texts):
+        return np.stack([vector_for(content_hash(t)) for t in texts])
+
+
+@pytest.fixture
+def sessions(sqlite_url):
+    return migrated_sessions(sqlite_url)
+
+
+@pytest.fixture(params=BACKENDS)
+def index(request, tmp_path):
+    ix = make_index(request.param, tmp_path)
+    yield ix
+    ix.close()
+
+
+def commit(sessions, index, *drafts, closes=(), tenant="acme"):
+    return truth.commit(
+        sessions, index, tenant, upserts=drafts, closes=closes, vectors=vectors_of(*drafts)
+    )
+
+
+def versions(sessions, source_id, tenant="acme"):
+    with sessions() as s:
+        return truth.list_versions(s, tenant, source_id)
+
+
+def current(sessions):
+    with sessions() as s:
+        return truth.current_epoch(s)
+
+
+def test_a_new_source_opens_version_1_in_epoch_1(sessions, index):
+    doc = draft("guide.md", ["Llamas hum.", "Alpacas spit."], title="Guide")
+    result = commit(sessions, index, doc)
+    assert (result.epoch, result.added, result.points_written) == (1, ["guide.md"], 2)
+    [v1] = versions(sessions, "guide.md")
+    assert (v1.version, v1.valid_from, v1.valid_to, v1.status, v1.title) == (
+        1,
+        1,
+        OPEN_EPOCH,
+        "active",
+        "Guide",
+    )
+    assert v1.content_hash == doc.content_hash
+    with sessions() as s:
+        chunks = truth.chunks_as_of(s, "acme", 1)
+        leaves = s.scalars(select(AuditLeaf.kind)).all()
+    assert [c.id for c in chunks] == [truth.chunk_id("acme", "guide.md", 1, i) for i in range(2)]
+    assert [c.chunk_hash for c in chunks] == [
+        content_hash("Llamas hum."),
+        content_hash("Alpacas spit."),
+    ]
+    assert leaves == ["version_opened"]
+    assert index.count("acme") == 2
+
+
+def test_identical_content_is_a_no_op_that_takes_no_epoch(sessions, index):
+    doc = draft("a", ["same text"])
+    commit(sessions, index, doc)
+    again = commit(sessions, index, doc)
+    assert again.epoch is None and again.unchanged == ["a"]
+    assert current(sessions) == 1
+    assert len(versions(sessions, "a")) == 1
+    assert index.count("acme") == 1
+
+
+def test_changed_content_closes_the_old_version_and_opens_a_new_one_in_one_epoch(sessions, index):
+    commit(sessions, index, draft("a", ["one", "two"]), draft("b", ["bee"]))
+    result = commit(sessions, index, draft("a", ["one", "two changed"]), draft("b", ["bee"]))
+    assert (result.epoch, result.updated, result.unchanged) == (2, ["a"], ["b"])
+    v1, v2 = versions(sessions, "a")
+    assert (v1.status, v1.valid_from, v1.valid_to) == ("superseded", 1, 2)
+    assert (v2.status, v2.valid_from, v2.valid_to) == ("active", 2, OPEN_EPOCH)
+    with sessions() as s:
+        assert s.scalar(select(func.count()).select_from(Epoch)) == 2
+        assert s.scalars(select(AuditLeaf.kind).order_by(AuditLeaf.seq)).all() == [
+            "version_opened",
+            "version_opened",
+            "version_closed",
+            "version_opened",
+        ]
+    # The index followed: the old version's points carry valid_to = 2.
+    old = {p.valid_to for p in index.scan("acme") if p.source_id == "a" and p.version == 1}
+    assert old == {2}
+
+
+def test_as_of_an_epoch_or_a_time_reconstructs_what_was_visible(sessions, index):
+    commit(sessions, index, draft("a", ["alpha"]), draft("b", ["beta"]))
+    with sessions() as s:
+        after_first = s.scalar(select(Epoch.committed_at).where(Epoch.epoch == 1))
+    commit(sessions, index, draft("a", ["alpha two"]))
+    commit(sessions, index, closes=[("b", "deleted")])
+    with sessions() as s:
+        at = {
+            e: [(v.source_id, v.version) for v in truth.as_of(s, "acme", epoch=e).versions]
+            for e in range(4)
+        }
+        assert at == {0: [], 1: [("a", 1), ("b", 1)], 2: [("a", 2), ("b", 1)], 3: [("a", 2)]}
+        assert truth.as_of(s, "acme").epoch == 3
+        by_time = truth.as_of(s, "acme", at=after_first + timedelta(microseconds=1))
+        assert by_time.epoch == 1 and [v.source_id for v in by_time.versions] == ["a", "b"]
+        assert truth.as_of(s, "acme", at=datetime(2000, 1, 1, tzinfo=UTC)).versions == ()
+        assert [c.text for c in truth.chunks_as_of(s, "acme", 1)] == ["alpha", "beta"]
+        assert [c.text for c in truth.chunks_as_of(s, "acme", 3)] == ["alpha two"]
+
+
+def test_deprecate_and_delete_leave_tombstones_and_keep_history(sessions, index):
+    commit(sessions, index, draft("a", ["aaa"]), draft("b", ["bbb"]))
+    deprecated = truth.close_source(sessions, index, "acme", "a", "deprecated")
+    deleted = truth.close_source(sessions, index, "acme", "b", "deleted")
+    assert (deprecated.epoch, deprecated.deprecated) == (2, ["a"])
+    assert (deleted.epoch, deleted.deleted) == (3, ["b"])
+    assert [(v.status, v.valid_to) for v in versions(sessions, "a")] == [("deprecated", 2)]
+    assert [(v.status, v.valid_to) for v in versions(sessions, "b")] == [("deleted", 3)]
+    # Closing what is already closed changes nothing and takes no epoch.
+    assert truth.close_source(sessions, index, "acme", "a", "deleted").epoch is None
+    with sessions() as s:
+        assert [v.source_id for v in truth.as_of(s, "acme", epoch=2).versions] == ["b"]
+        assert truth.as_of(s, "acme", epoch=3).versions == ()
+        assert len(truth.chunks_as_of(s, "acme", 1)) == 2  # history stays replayable
+        assert {x.source_id: x.status for x in truth.list_sources(s, "acme")} == {
+            "a": "deprecated",
+            "b": "deleted",
+        }
+    # The same content again after a delete is visible again, as a new version.
+    again = commit(sessions, index, draft("b", ["bbb"]))
+    assert again.added == ["b"] and [v.version for v in versions(sessions, "b")] == [1, 2]
+    with pytest.raises(ValueError):
+        truth.close_source(sessions, index, "acme", "a", "superseded")
+    with pytest.raises(ValueError, match="at most once"):
+        commit(sessions, index, draft("c", ["x"]), draft("c", ["y"]))
+
+
+def test_get_chunks_returns_text_and_hashes_in_the_order_asked(sessions, index):
+    commit(sessions, index, draft("a", ["first", "second"]), draft("b", ["third"]))
+    ids = [truth.chunk_id("acme", "b", 1, 0), "no-such-id", truth.chunk_id("acme", "a", 1, 1)]
+    with sessions() as s:
+        found = truth.get_chunks(s, "acme", ids)
+        assert truth.get_chunks(s, "other-tenant", ids) == []
+    assert [(c.text, c.chunk_hash) for c in found] == [
+        ("third", content_hash("third")),
+        ("second", content_hash("second")),
+    ]
+
+
+def run_concurrent_writers(sessions, index, writers: int) -> list[int]:
+    epochs, errors = [], []
+    start = threading.Barrier(writers)
+
+    def write(n: int) -> None:
+        try:
+            start.wait()
+            result = commit(sessions, index, draft(f"src-{n}", [f"text of writer {n}"]))
+            epochs.append(result.epoch)
+        except Exception as error:  # collected and asserted below
+            errors.append(error)
+
+    threads = [threading.Thread(target=write, args=(n,)) for n in range(writers)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert errors == []
+    return sorted(epochs)
+
+
+def test_concurrent_writers_get_distinct_consecutive_epochs_on_sqlite(sessions, tmp_path):
+    index = make_index("edge", tmp_path)
+    assert run_concurrent_writers(sessions, index, 8) == list(range(1, 9))
+    assert index.count("acme") == 8
+
+
+@pytest.mark.integration
+def test_concurrent_writers_get_distinct_consecutive_epochs_on_postgresql(pg_url, tmp_path):
+    sessions = migrated_sessions(pg_url)
+    index = make_index("edge", tmp_path)
+    assert run_concurrent_writers(sessions, index, 8) == list(range(1, 9))
+    with sessions() as s:
+        assert s.scalars(select(Epoch.epoch).order_by(Epoch.epoch)).all() == list(range(1, 9))
+
+
+def retrieve(sessions, index, query, epoch=None, top_k=10):
+    with sessions() as s:
+        epoch = truth.current_epoch(s) if epoch is None else epoch
+        found = memory.retrieve(s, TextEmbedder(), index, query, "acme", epoch, top_k)
+    return [(c.source_id, c.version, c.text) for c in found.chunks]
+
+
+def test_a_crash_before_the_sql_commit_leaves_nothing_visible_and_a_rerun_converges(
+    sessions, index
+):
+    v1 = draft("a", ["kept paragraph", "old ending"])
+    commit(sessions, index, v1)
+    v2 = draft("a", ["kept paragraph", "new ending", "and more"])
+    with pytest.raises(Crash):
+        commit(sessions, CrashingIndex(index, "flush"), v2)  # vectors written, SQL never committed
+    assert current(sessions) == 1
+    assert [v.version for v in versions(sessions, "a")] == [1]
+    assert index.count("acme") == 5  # three orphans wait in the index...
+    assert {r[1] for r in retrieve(sessions, index, "new ending")} == {
+        1
+    }  # ...but are never retrieved
+
+    # Re-running writes the same chunk ids at the same epoch: no duplicates.
+    result = commit(sessions, index, v2)
+    assert result.epoch == 2
+    assert index.count("acme") == 5
+    report = truth.sweep(sessions, index, "acme")
+    assert (report.orphans_deleted, report.payloads_repaired, report.points_missing) == (0, 0, 0)
+    assert retrieve(sessions, index, "new ending")[0] == ("a", 2, "new ending")
+
+
+def test_orphans_of_a_crashed_commit_are_swept_when_the_rerun_writes_fewer_chunks(sessions, index):
+    commit(sessions, index, draft("a", ["start"]))
+    with pytest.raises(Crash):
+        commit(sessions, CrashingIndex(index, "flush"), draft("a", ["x", "y", "z"]))
+    commit(sessions, index, draft("a", ["only one"]))
+    assert index.count("acme") == 4  # v1, the new v2, and two orphans of the crashed v2
+    report = truth.sweep(sessions, index, "acme")
+    assert report.orphans_deleted == 2
+    with sessions() as s:
+        assert {p.chunk_id for p in index.scan("acme")} == set(truth.expected_points(s, "acme"))
+
+
+def test_a_crash_after_the_sql_commit_never_shows_half_a_version(sessions, index):
+    commit(sessions, index, draft("a", ["shared intro", "old detail one", "old detail two"]))
+    v2 = draft("a", ["shared intro", "new detail"])
+    with pytest.raises(Crash):
+        commit(sessions, CrashingIndex(index, "close_version"), v2)  # SQL committed, index not told
+    assert current(sessions) == 2
+    stale = [p for p in index.scan("acme") if p.version == 1]
+    assert {p.valid_to for p in stale} == {OPEN_EPOCH}  # the index still calls v1 open
+    for query in ["old detail one", "new detail", "shared intro"]:
+        now = retrieve(sessions, index, query)
+        assert {version for _, version, _ in now} == {2}, query
+        before = retrieve(sessions, index, query, epoch=1)
+        assert {version for _, version, _ in before} == {1}, query
+
+    report = truth.sweep(sessions, index, "acme")
+    assert report.payloads_repaired == 3 and report.orphans_deleted == 0
+    assert {p.valid_to for p in index.scan("acme") if p.version == 1} == {2}
+    assert {
+        h.version for h in index.search("acme", vector_for(content_hash("old detail one")), 2, 10)
+    } == {2}
+
+
+def test_sweep_restores_missing_points_from_the_embedding_cache(sessions, index):
+    doc = draft("a", ["one", "two"])
+    commit(sessions, index, doc)
+    with sessions() as s, s.begin():
+        truth.insert_missing(
+            s,
+            Embedding,
+            [
+                {"chunk_hash": h, "model_id": "m", "vector": v.tobytes()}
+                for h, v in vectors_of(doc).items()
+            ],
+        )
+    lost = truth.chunk_id("acme", "a", 1, 1)
+    index.delete([lost])
+    assert truth.sweep(sessions, index, "acme").points_missing == 1  # no model: reported only
+    report = truth.sweep(sessions, index, "acme", model_id="m")
+    assert report.points_restored == 1 and report.points_missing == 0
+    [hit] = index.search("acme", vector_for(content_hash("two")), 1, 1)
+    assert hit.chunk_id == lost
+
+
+def test_the_epoch_counter_is_required(sessions, index):
+    with sessions() as s, s.begin():
+        s.execute(EpochCounter.__table__.delete())
+    with pytest.raises(RuntimeError, match="migrations"):
+        commit(sessions, index, draft("a", ["x"]))
+
+
+def test_sql_rows_match_the_points_after_a_run_of_changes(sessions, index):
+    commit(sessions, index, draft("a", ["1", "2"]), draft("b", ["3"]))
+    commit(sessions, index, draft("a", ["1", "2b"]), draft("c", ["4"]))
+    truth.close_source(sessions, index, "acme", "b", "deleted")
+    with sessions() as s:
+        expected = truth.expected_points(s, "acme")
+        assert s.scalar(select(func.count()).select_from(Chunk)) == len(expected) == 6
+        assert s.scalar(select(func.count()).select_from(SourceVersion)) == 4
+    scanned = {p.chunk_id: p for p in index.scan("acme")}
+    assert set(scanned) == set(expected)
+    assert all(scanned[c].same_payload(p) for c, p in expected.items())
