@@ -16,8 +16,8 @@ the current epoch, top 4), next to a numpy brute-force scan of the same float32 
 baseline), the same search at an old snapshot (the range-filter path), and the same index
 stored as float32 instead of float16.
 
-    flock /tmp/inherent-bench.lock .venv/bin/python bench/ingest.py
-    flock /tmp/inherent-bench.lock .venv/bin/python bench/ingest.py --docs 400 --points 20000   # quick
+    flock /tmp/inherent-bench.lock .venv/bin/python -m bench.ingest
+    flock /tmp/inherent-bench.lock .venv/bin/python -m bench.ingest --docs 400 --points 20000   # quick
 
 The last line is one JSON object.
 """
@@ -26,16 +26,10 @@ import argparse
 import json
 import random
 import statistics
-import sys
 import tempfile
 import time
 import uuid
 from pathlib import Path
-
-# Run as a script, this folder is first on sys.path and this file's name would shadow the
-# `ingest` package: resolve imports from the repository root instead.
-if Path(sys.path[0]).resolve() == Path(__file__).resolve().parent:
-    sys.path[0] = str(Path(__file__).resolve().parents[1])
 
 import numpy as np
 

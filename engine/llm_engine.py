@@ -75,10 +75,15 @@ class LLMEngine:
     @classmethod
     def from_config(cls, config: EngineConfig, registry: CollectorRegistry | None = None
                     ) -> "LLMEngine":
-        """Load the model named by the config (the bundled SmolLM2-135M by default)."""
+        """Load the model named by the config (the bundled SmolLM2-135M by default). With
+        `config.mode == "disaggregated"`, a DisaggregatedEngine (prefill and decode workers)."""
         from engine.loader import load_checkpoint
         from engine.model_files import bundled_model_path
 
+        if config.mode == "disaggregated":
+            from engine.disaggregated import DisaggregatedEngine
+
+            return DisaggregatedEngine.from_config(config, registry)
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
         checkpoint = load_checkpoint(config.model or bundled_model_path())

@@ -12,10 +12,11 @@ from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 from engine import SamplingParams
-from gateway.services import Services, current_epoch
+from gateway.services import Services
 from provenance import memory
 from provenance.hashing import blake3_hex
 from provenance.models import Chunk, Receipt, SourceVersion
+from provenance.truth import current_epoch
 
 
 class ReplayRefused(Exception):

@@ -6,12 +6,11 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from prometheus_client import CollectorRegistry
-from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
 from provenance import memory
-from provenance.models import Epoch
 from provenance.settings import Settings
+from provenance.truth import current_epoch
 
 
 @dataclass(slots=True)
@@ -123,10 +122,6 @@ class Services:
         final = memory.build_messages(messages, chunks)
         text, ids = self.render(final)
         return PreparedPrompt(final, text, ids, retrieval, list(chunks))
-
-
-def current_epoch(session: Session) -> int:
-    return session.scalar(select(func.coalesce(func.max(Epoch.epoch), 0))) or 0
 
 
 def engine_config(settings: Settings):

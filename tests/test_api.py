@@ -3,10 +3,10 @@
 import json
 
 import pytest
+from api_support import api  # noqa: F401  (fixture)
 from openai import OpenAI
 
 from engine import EngineOverloaded
-from api_support import api  # noqa: F401  (fixture)
 
 pytestmark = pytest.mark.slow
 

@@ -89,7 +89,7 @@ def test_proofs_verify_independently(n, data):
     assert roots_from_consistency(m, n, cproof, mth(leaves[:m])) == (mth(leaves[:m]), mth(leaves))
     assert merkle.verify_consistency(m, n, mth(leaves[:m]), mth(leaves), cproof)
     if m < n:
-        assert not merkle.verify_consistency(m, n, mth(leaves[: m - 1] + [h_leaf(b"x")]), mth(leaves), cproof)
+        assert not merkle.verify_consistency(m, n, mth([*leaves[: m - 1], h_leaf(b"x")]), mth(leaves), cproof)
 
 
 @pytest.fixture

@@ -1,0 +1,516 @@
+"""Disaggregated prefill and decode: two worker processes behind the LLMEngine interface.
+
+    engine = LLMEngine.from_config(EngineConfig(mode="disaggregated"))   # or
+    engine = DisaggregatedEngine.from_config(EngineConfig(...), registry)
+
+The front is an LLMEngine without a model: requests are validated, tokenized and queued by the
+inherited `add_request`, and text, stop strings, finish reasons, the per-request timeline and the
+Prometheus metrics come from the inherited output path (`_check_and_emit`, `_finish_output`). Its
+`step()` hands new requests to the prefill worker, forwards the control messages between the
+workers, and turns the token ids they report into RequestOutputs. AsyncEngine drives it as it
+drives a colocated engine. The workers (engine/disagg_worker.py) run the ordinary scheduler,
+block manager and model runner; their KV hand-off goes over torch.distributed
+(engine/kv_transfer.py).
+
+One request: queued at the front -> prefilled (in chunks) by the prefill worker -> first token
+reported; its KV stays in the prefill worker's blocks -> offered to the decode worker -> admitted
+when its lifetime fits there -> "pull": the prefill worker's sender thread ships the blocks of
+every layer while it prefills the next prompts -> scattered into the decode worker's blocks ->
+decoded from the first token on. The transfer is a phase of the request's timeline
+(`kv_transfer_time`, and `kv_transfer` with start, end and bytes).
+
+Faults. The front watches both processes (their sentinels are in every wait). When one dies, the
+other is stopped too (its half of the process group is dead), the requests that already streamed
+tokens fail with WorkerFailure, the ones that did not are kept and re-run from the prompt, and
+both workers are started again on a fresh port: `is_healthy()` is false until they are back. A
+worker that cannot start `disagg_max_restarts + 1` times in a row leaves the engine dead: every
+request fails and new ones are refused.
+
+Clocks: workers report the times of their steps on CLOCK_MONOTONIC (Python's perf_counter), which
+all processes of one host share; workers on other hosts would need a clock offset, not done here.
+"""
+
+import contextlib
+import dataclasses
+import logging
+import os
+import socket
+import time
+import weakref
+from multiprocessing import connection
+
+import torch
+import torch.multiprocessing as mp
+from prometheus_client import CollectorRegistry, Gauge, Histogram
+
+from engine.config import EngineConfig
+from engine.disagg_worker import WorkerSpec, worker_main
+from engine.kv_transfer import transfer_backend
+from engine.llm_engine import LLMEngine, RequestOutput
+from engine.metrics import PREFIX, REQUEST_BUCKETS
+from engine.sequence import Sequence, SequenceStatus
+from engine.timeline import PrefillChunk, now
+
+log = logging.getLogger(__name__)
+
+ROLES = ("prefill", "decode")
+WAIT_S = 0.1  # longest a step waits for a worker when it has nothing else to do
+STOP_GRACE_S = 2.0  # a stopping worker gets this long before it is killed
+
+
+class WorkerFailure(RuntimeError):
+    """A worker process died or failed: the requests it had streamed end with this error."""
+
+
+class _RemoteCache:
+    """Stands in for the ModelRunner at the front: the size of the decode worker's cache and
+    the vocabulary, which request validation reads. The model runs in the workers."""
+
+    def __init__(self, num_kv_blocks: int, vocab_size: int):
+        self.num_kv_blocks = num_kv_blocks
+        self.vocab_size = vocab_size
+
+    def run(self, batch):
+        raise RuntimeError("the disaggregated front runs no model")
+
+
+@dataclasses.dataclass(slots=True)
+class _Worker:
+    role: str
+    process: mp.Process
+    conn: connection.Connection
+    hello: dict | None = None
+    fatal: str | None = None  # the traceback it sent before dying
+    totals: dict = dataclasses.field(default_factory=dict)  # its last running totals
+
+
+def worker_specs(config: EngineConfig, model_path: str, num_blocks: int, port: int
+                 ) -> dict[str, WorkerSpec]:
+    """Each worker's settings: the front's, in colocated mode, on its own cores or GPU."""
+    cuda = torch.device(config.device).type == "cuda"
+    devices = {
+        "prefill": config.disagg_prefill_device or ("cuda:0" if cuda else config.device),
+        "decode": config.disagg_decode_device or (
+            f"cuda:{min(1, torch.cuda.device_count() - 1)}" if cuda else config.device),
+    }
+    cpus = {"prefill": config.disagg_prefill_cpus, "decode": config.disagg_decode_cpus}
+    if not cuda and (cpus["prefill"] is None or cpus["decode"] is None):
+        mine = sorted(os.sched_getaffinity(0))
+        half = max(1, len(mine) // 2)
+        cpus = {"prefill": cpus["prefill"] or tuple(mine[:half]),
+                "decode": cpus["decode"] or tuple(mine[half:] or mine[:half])}
+    backend = transfer_backend(devices["prefill"], devices["decode"])
+    blocks = {"prefill": config.disagg_prefill_kv_blocks or num_blocks,
+              "decode": config.disagg_decode_kv_blocks or num_blocks}
+    specs = {}
+    for role in ROLES:
+        worker_config = dataclasses.replace(
+            config, mode="colocated", device=devices[role], num_kv_blocks=blocks[role],
+            num_threads=len(cpus[role]) if cpus[role] else config.num_threads,
+            # The front bounds the queue; nothing a worker holds is a prefix to share there.
+            max_waiting_requests=1 << 30,
+            enable_prefix_caching=config.enable_prefix_caching and role == "prefill",
+        )
+        specs[role] = WorkerSpec(role, worker_config, model_path, cpus[role],
+                                 config.disagg_addr, port, backend)
+    return specs
+
+
+def free_port(addr: str) -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((addr, 0))
+        return s.getsockname()[1]
+
+
+def _stop(workers: list[_Worker], graceful: bool = True) -> None:
+    """Ask, then kill (at once when not `graceful`: after a fault the survivor's half of the
+    process group is dead and its state is of no use)."""
+    for w in workers:
+        with contextlib.suppress(OSError, ValueError):
+            w.conn.send(("stop",))
+    deadline = time.monotonic() + (STOP_GRACE_S if graceful else 0.0)
+    for w in workers:
+        w.process.join(max(0.0, deadline - time.monotonic()))
+        if w.process.is_alive():
+            w.process.kill()
+            w.process.join(STOP_GRACE_S)
+        w.conn.close()
+
+
+class DisaggregatedEngine(LLMEngine):
+    def __init__(self, config: EngineConfig, checkpoint, registry: CollectorRegistry | None = None):
+        """`checkpoint`: the loaded model (engine.loader.Checkpoint); the front keeps its
+        tokenizer and identity, the workers load the weights themselves."""
+        from engine.model import kv_cache_bytes_per_block
+
+        kv_dtype = getattr(torch, config.kv_cache_dtype or config.dtype)
+        num_blocks = config.num_kv_blocks or config.kv_cache_bytes // kv_cache_bytes_per_block(
+            checkpoint.config, config.block_size, kv_dtype)
+        decode_blocks = config.disagg_decode_kv_blocks or num_blocks
+        registry = registry if registry is not None else CollectorRegistry()
+        super().__init__(config, _RemoteCache(decode_blocks, checkpoint.config.vocab_size),
+                         checkpoint.tokenizer, registry, checkpoint.model_id,
+                         checkpoint.weights_hash)
+        self.model_path = str(checkpoint.path)
+        self._num_blocks = num_blocks
+        self._location: dict[str, str] = {}  # request id -> the role that has it
+        self._ready: list[RequestOutput] = []  # outputs to return at the next step
+        self._workers: dict[str, _Worker] = {}
+        self._started_at = 0.0
+        self._failed_starts = 0
+        self.num_restarts = 0
+        self._fault: tuple[list[str], WorkerFailure] | None = None
+        self._dead: WorkerFailure | None = None
+        self._totals = {"preemptions": 0, "prefix_queries": 0, "prefix_hits": 0}
+        self._kv_usage = {role: 0.0 for role in ROLES}
+        self.worker_stats: dict[str, dict] = {}  # each worker's last step report
+        self._inspections: dict[str, dict] = {}
+        self._wake_r, self._wake_w = os.pipe()
+        os.set_blocking(self._wake_r, False)
+        os.set_blocking(self._wake_w, False)
+        labels = ["model_name"]
+        self._kv_transfer_time = Histogram(
+            PREFIX + "kv_transfer_time_seconds",
+            "Disaggregated mode: pull of a request's KV blocks to KV usable by the decoder.",
+            labels, buckets=REQUEST_BUCKETS, registry=registry).labels(self.model_id)
+        self._prefill_kv_usage = Gauge(
+            PREFIX + "prefill_kv_cache_usage_perc",
+            "Disaggregated mode: fraction of the prefill worker's KV blocks in use (0-1).",
+            labels, registry=registry).labels(self.model_id)
+        self._finalizer = weakref.finalize(self, _stop, [])
+        self._start_workers()
+
+    @classmethod
+    def from_config(cls, config: EngineConfig, registry: CollectorRegistry | None = None
+                    ) -> "DisaggregatedEngine":
+        """Load the model named by the config, start both workers, return once they serve."""
+        from engine.loader import load_checkpoint
+        from engine.model_files import bundled_model_path
+
+        checkpoint = load_checkpoint(config.model or bundled_model_path())
+        checkpoint.weights = {}  # the front needs the tokenizer and the identity only
+        engine = cls(config, checkpoint, registry)
+        try:
+            engine.wait_until_ready()
+        except BaseException:
+            engine.close()
+            raise
+        return engine
+
+    # -- life cycle -----------------------------------------------------------------------------
+
+    def _start_workers(self) -> None:
+        port = self.config.disagg_port or free_port(self.config.disagg_addr)
+        specs = worker_specs(self.config, self.model_path, self._num_blocks, port)
+        ctx = mp.get_context("spawn")
+        self._workers = {}
+        for role in ROLES:
+            ours, theirs = ctx.Pipe()
+            process = ctx.Process(target=worker_main, args=(specs[role], theirs),
+                                  name=f"inherent-{role}", daemon=True)
+            process.start()
+            theirs.close()
+            self._workers[role] = _Worker(role, process, ours)
+        self._finalizer.detach()
+        self._finalizer = weakref.finalize(self, _stop, list(self._workers.values()))
+        self._started_at = now()
+        log.info("disaggregated engine: workers starting on %s:%d (%s)", self.config.disagg_addr,
+                 port, specs["prefill"].backend)
+
+    @property
+    def ready(self) -> bool:
+        return bool(self._workers) and all(w.hello for w in self._workers.values())
+
+    def is_healthy(self) -> bool:
+        """Both workers up, serving, and alive right now."""
+        return (self._dead is None and self.ready
+                and all(w.process.is_alive() for w in self._workers.values()))
+
+    def wait_until_ready(self) -> None:
+        """Block until both workers serve; raise WorkerFailure if they cannot start. Call from
+        the thread that steps the engine (or before anything steps it)."""
+        while not self.ready:
+            self._ready += self._receive(WAIT_S)
+            try:
+                self._supervise()
+            except WorkerFailure:
+                if self._dead is not None:
+                    raise
+                self._ready += self._fail(self._fault[0])  # restarting: fail what it streamed
+                self._fault = None
+
+    def worker_pids(self) -> dict[str, int]:
+        return {role: w.process.pid for role, w in self._workers.items()}
+
+    @property
+    def worker_info(self) -> dict[str, dict | None]:
+        """What each worker said when it started: pid, cores, threads, device, cache blocks."""
+        return {role: w.hello for role, w in self._workers.items()}
+
+    def close(self) -> None:
+        """Stop both workers (the engine cannot serve after this)."""
+        self._finalizer()
+        self._workers = {}
+        self._dead = self._dead or WorkerFailure("the engine is closed")
+        for fd in (self._wake_r, self._wake_w):
+            with contextlib.suppress(OSError):
+                os.close(fd)
+
+    # -- requests in ----------------------------------------------------------------------------
+
+    def add_request(self, prompt, params=None, request_id=None, arrival=None) -> str:
+        if self._dead is not None:
+            raise WorkerFailure(f"the disaggregated engine is down: {self._dead}")
+        request_id = super().add_request(prompt, params, request_id, arrival)
+        self._wake()
+        return request_id
+
+    def abort_request(self, request_id: str) -> None:
+        super().abort_request(request_id)
+        self._wake()
+
+    def _wake(self) -> None:
+        with contextlib.suppress(OSError):  # full (a wake-up is pending anyway) or closed
+            os.write(self._wake_w, b"\0")
+
+    def has_unfinished_requests(self) -> bool:
+        return super().has_unfinished_requests() or bool(self._ready)
+
+    # -- the step -------------------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        if self._dead is not None:
+            raise self._dead
+        outputs, self._ready = self._ready, []
+        for out in self._drain_inboxes():  # aborted at the front: tell the worker that has it
+            self._drop(out.request_id)
+            outputs.append(out)
+        if self.ready:
+            self._dispatch()
+        outputs += self._receive(0.0 if outputs else WAIT_S)
+        try:
+            self._supervise()
+        except WorkerFailure:
+            self._ready = outputs  # delivered at the next step; the failed requests now
+            raise
+        self._observe_step(outputs)
+        return outputs
+
+    def fail_all(self) -> list[str]:
+        """After `step()` raised: retire the requests the fault ended (all of them after an
+        unexpected error, when the workers are restarted to start clean); their ids."""
+        while self._inbox:
+            self.scheduler.add(self._inbox.popleft())
+        if self._fault is not None:
+            failed, _ = self._fault
+            self._fault = None
+        else:
+            failed = list(self.requests)
+            if self._dead is None:
+                self._restart()
+        if self._dead is not None:  # nothing will serve the rest either
+            failed = list(dict.fromkeys([*failed, *self.requests]))
+        self._fail(failed)
+        return failed
+
+    def _fail(self, request_ids: list[str]) -> list[RequestOutput]:
+        outputs = []
+        for request_id in request_ids:
+            seq = self.requests.get(request_id)
+            if seq is not None and not seq.is_finished:
+                self._drop(request_id)
+                self.scheduler.finish(seq, "abort")
+                outputs.append(self._finish_output(seq))
+        return outputs
+
+    def _dispatch(self) -> None:
+        prefill = self._workers["prefill"]
+        for seq in self.scheduler.waiting:
+            if seq.request_id not in self._location:
+                self._location[seq.request_id] = "prefill"
+                self._send(prefill, ("add", seq.request_id, seq.token_ids[: seq.num_prompt_tokens],
+                                     _wire_params(seq), seq.timeline.arrival))
+
+    def _drop(self, request_id: str) -> None:
+        """The front is done with a request the worker may still run: let it go."""
+        role = self._location.pop(request_id, None)
+        if role is not None and role in self._workers:
+            self._send(self._workers[role], ("abort", request_id))
+
+    def _send(self, worker: _Worker, msg: tuple) -> None:
+        with contextlib.suppress(OSError, ValueError):  # a dead worker: _supervise finds it
+            worker.conn.send(msg)
+
+    # -- worker messages ------------------------------------------------------------------------
+
+    def _receive(self, timeout: float) -> list[RequestOutput]:
+        """Wait up to `timeout` for a worker (or a new request), then handle every message."""
+        workers = list(self._workers.values())
+        waitables = [self._wake_r]
+        for w in workers:
+            waitables += [w.conn, w.process.sentinel]
+        connection.wait(waitables, timeout)
+        with contextlib.suppress(OSError):
+            while os.read(self._wake_r, 4096):
+                pass
+        outputs: list[RequestOutput] = []
+        for w in workers:
+            try:
+                while w.conn.poll():
+                    self._on_message(w, w.conn.recv(), outputs)
+            except (EOFError, OSError):
+                pass  # it died: _supervise handles it
+        return outputs
+
+    def _on_message(self, worker: _Worker, msg: tuple, outputs: list[RequestOutput]) -> None:
+        kind = msg[0]
+        if kind == "step":
+            _, stats, reports = msg
+            self._on_stats(worker, stats)
+            self._on_tokens(worker.role, reports, outputs)
+        elif kind == "pull":  # the decode worker receives: the prefill worker must send
+            self._send(self._workers["prefill"], ("send", msg[1], msg[2]))
+        elif kind == "release":  # an offer the decode worker dropped unpulled
+            self._send(self._workers["prefill"], ("release", msg[1]))
+        elif kind == "transferred":
+            _, request_id, start, end, num_bytes = msg
+            self._kv_transfer_time.observe(end - start)
+            seq = self.requests.get(request_id)
+            if seq is not None:
+                seq.timeline.record_kv_transfer(start, end, num_bytes)
+        elif kind == "hello":
+            worker.hello = msg[1]
+            if self.ready:
+                self._failed_starts = 0
+                log.info("disaggregated engine: workers ready %s", self.worker_info)
+        elif kind == "inspect":
+            self._inspections[worker.role] = msg[1]
+        elif kind == "fatal":
+            worker.fatal = msg[1]
+            log.error("disaggregated engine: the %s worker failed:\n%s", worker.role, msg[1])
+
+    def _on_tokens(self, role: str, reports: list[tuple], outputs: list[RequestOutput]) -> None:
+        for request_id, token, at, interfered, worker_reason, prefill in reports:
+            seq = self.requests.get(request_id)
+            if seq is None:  # finished here already (aborted, or a stop string)
+                if prefill is not None and worker_reason is None:
+                    self._send(self._workers["prefill"], ("release", request_id))
+                continue
+            if prefill is not None:
+                self._start_decoding(seq, prefill)
+            seq.token_ids.append(token)
+            seq.timeline.record_token(at, interfered)
+            out = self._check_and_emit(seq, token)
+            outputs.append(out)
+            if out.finished:
+                if worker_reason is None and role == "decode":  # a stop string: text is ours
+                    self._drop(request_id)
+                elif worker_reason is None:  # ... on the first token: its KV is held
+                    self._send(self._workers["prefill"], ("release", request_id))
+                self._location.pop(request_id, None)
+            elif worker_reason is not None:  # the same checks ran on both sides; never hang
+                log.error("request %s: the %s worker finished it (%s), the front did not",
+                          request_id, role, worker_reason)
+                self._location.pop(request_id, None)
+                self.scheduler.finish(seq, worker_reason)
+                outputs.append(self._finish_output(seq))
+            elif prefill is not None:  # its KV waits in the prefill worker: offer it
+                self._location[request_id] = "decode"
+                self._send(self._workers["decode"], (
+                    "offer", request_id, list(seq.token_ids), seq.num_prompt_tokens,
+                    _wire_params(seq), at))
+
+    def _start_decoding(self, seq: Sequence, prefill: tuple) -> None:
+        """Its first token came: the prefill facts join the front's timeline."""
+        first_scheduled, chunks, num_cached, num_preemptions = prefill
+        timeline = seq.timeline
+        timeline.first_scheduled = first_scheduled
+        timeline.prefill_chunks = [PrefillChunk(*c) for c in chunks]
+        timeline.num_cached_tokens = num_cached
+        timeline.num_preemptions = num_preemptions
+        self.scheduler.waiting.remove(seq)
+        seq.status = SequenceStatus.RUNNING
+        self.scheduler.running.append(seq)
+
+    def _on_stats(self, worker: _Worker, stats: dict) -> None:
+        for key in self._totals:  # running totals per worker life, summed across restarts
+            self._totals[key] += stats[key] - worker.totals.get(key, 0)
+            worker.totals[key] = stats[key]
+        self._kv_usage[worker.role] = stats["kv_usage"]
+        self.worker_stats[worker.role] = stats
+        if worker.role == "decode" and stats["clean_step"] is not None:
+            self._clean_decode_steps.append(stats["clean_step"])
+
+    def _observe_step(self, outputs: list[RequestOutput]) -> None:
+        self._prefill_kv_usage.set(self._kv_usage["prefill"])
+        self.metrics.observe_step(
+            len(self.scheduler.running), len(self.scheduler.waiting), self._kv_usage["decode"],
+            sum(len(o.token_ids) for o in outputs), self._totals["preemptions"],
+            self._totals["prefix_queries"], self._totals["prefix_hits"],
+        )
+
+    # -- faults ---------------------------------------------------------------------------------
+
+    def _supervise(self) -> None:
+        """Raise WorkerFailure (after planning the restart) when a worker died or cannot start."""
+        dead = [w for w in self._workers.values() if not w.process.is_alive()]
+        starting = not self.ready
+        timed_out = starting and now() - self._started_at > self.config.disagg_start_timeout
+        if not dead and not timed_out:
+            return
+        if dead:
+            w = dead[0]
+            what = (f"the {w.role} worker (pid {w.process.pid}) "
+                    f"{'could not start' if w.hello is None else 'died'} "
+                    f"(exit code {w.process.exitcode})")
+            if w.fatal:
+                what += ": " + w.fatal.strip().splitlines()[-1]
+        else:
+            what = f"the workers did not start within {self.config.disagg_start_timeout:.0f} s"
+        if starting:
+            self._failed_starts += 1
+        if self._failed_starts > self.config.disagg_max_restarts:
+            self._dead = WorkerFailure(
+                f"disaggregated engine: {what}; gave up after {self._failed_starts} failed "
+                f"starts in a row")
+            _stop(list(self._workers.values()), graceful=False)
+            self._workers = {}
+            self._fault = (list(self.requests), self._dead)
+            raise self._dead
+        # Requests that streamed nothing re-run from the prompt on the new workers.
+        failed = [rid for rid, seq in self.requests.items() if seq.num_output_tokens]
+        error = WorkerFailure(f"disaggregated engine: {what}; the request was lost with it "
+                              f"and the engine is restarting its workers")
+        self._restart()
+        self._fault = (failed, error)
+        raise error
+
+    def _restart(self) -> None:
+        _stop(list(self._workers.values()), graceful=False)
+        self._location.clear()  # what streamed nothing is dispatched again
+        self.num_restarts += 1
+        log.warning("disaggregated engine: restarting its workers (restart %d)",
+                    self.num_restarts)
+        self._start_workers()
+
+    # -- inspection -----------------------------------------------------------------------------
+
+    def inspect(self, timeout: float = 10.0) -> dict[str, dict]:
+        """Each worker's block and request counts, asked now. Call from the thread that steps
+        the engine (or while nothing steps it); outputs that arrive meanwhile are kept for the
+        next step."""
+        self._inspections = {}
+        for w in self._workers.values():
+            self._send(w, ("inspect",))
+        deadline = now() + timeout
+        while len(self._inspections) < len(self._workers):
+            if now() > deadline:
+                raise TimeoutError(f"workers did not answer in {timeout} s")
+            self._ready += self._receive(min(WAIT_S, max(0.0, deadline - now())))
+        return dict(self._inspections)
+
+
+def _wire_params(seq: Sequence):
+    """The request's sampling settings with the seed the front derived, so that every worker
+    samples as a colocated engine would."""
+    return dataclasses.replace(seq.params, seed=seq.seed)

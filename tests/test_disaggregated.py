@@ -1,0 +1,211 @@
+"""Disaggregated mode end to end: a prefill and a decode worker process, KV handed over gloo.
+
+Most tests share one engine on a tiny random Llama (tests/engine_fixtures.py) whose decode
+worker holds the lifetime of about two requests at once and whose prefill worker a few
+hand-offs: requests queue at every stage, so back-pressure is always in play. The colocated
+engine on the same weights is the reference. The last test runs the bundled SmolLM2.
+"""
+
+import asyncio
+import os
+import random
+import signal
+import time
+
+import pytest
+from engine_fixtures import CHAT_PROMPTS, chat, write_tiny_llama
+
+from engine.async_engine import AsyncEngine
+from engine.config import EngineConfig
+from engine.disaggregated import DisaggregatedEngine, WorkerFailure
+from engine.llm_engine import LLMEngine
+from engine.sampling import SamplingParams
+
+# Decode cache: 40 blocks x 4 tokens. A request may need up to 80 tokens (20 blocks).
+TINY = dict(block_size=4, max_model_len=128, max_num_batched_tokens=32, max_num_seqs=8,
+            num_kv_blocks=64, disagg_prefill_kv_blocks=48, disagg_decode_kv_blocks=40)
+GREEDY = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+
+
+def prompts(n: int, seed: int = 0, low: int = 3, high: int = 60) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(3, 300) for _ in range(rng.randrange(low, high))] for _ in range(n)]
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory) -> str:
+    return str(write_tiny_llama(tmp_path_factory.mktemp("tiny-llama")))
+
+
+@pytest.fixture(scope="module")
+def colocated(tiny_model) -> LLMEngine:
+    return LLMEngine.from_config(EngineConfig(model=tiny_model, **TINY))
+
+
+@pytest.fixture(scope="module")
+def disagg(tiny_model):
+    engine = LLMEngine.from_config(EngineConfig(model=tiny_model, mode="disaggregated", **TINY))
+    yield engine
+    engine.close()
+
+
+def assert_blocks_freed(engine: DisaggregatedEngine, timeout: float = 5.0) -> None:
+    """Both workers end with every block free and nothing held, queued or in flight (a worker
+    frees an aborted request's blocks at its next step, so allow it a moment)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        state = engine.inspect()
+        clean = all(s["num_free_blocks"] == s["num_blocks"] and s["blocks_referenced"] == 0
+                    and s["requests"] == s["held"] == s["offers"] == s["receiving"] == 0
+                    for s in state.values())
+        if clean or time.monotonic() > deadline:
+            break
+        time.sleep(0.05)
+    assert clean, state
+    assert not engine.requests and not engine.scheduler.has_work()
+
+
+def test_it_is_the_mode_the_config_names(disagg):
+    assert isinstance(disagg, DisaggregatedEngine) and disagg.is_healthy()
+    info = disagg.worker_info
+    assert info["prefill"]["pid"] != info["decode"]["pid"] != os.getpid()
+    assert info["prefill"]["num_kv_blocks"] == 48 and info["decode"]["num_kv_blocks"] == 40
+    if len(os.sched_getaffinity(0)) >= 2:  # each on its own cores, one torch thread per core
+        assert not set(info["prefill"]["cpus"]) & set(info["decode"]["cpus"])
+        assert info["prefill"]["threads"] == len(info["prefill"]["cpus"])
+
+
+def test_greedy_output_equals_colocated_and_blocks_come_back(disagg, colocated):
+    batch = prompts(10)
+    expected = colocated.generate(batch, GREEDY)
+    got = disagg.generate(batch, GREEDY)
+    assert [o.token_ids for o in got] == [o.token_ids for o in expected]
+    assert [o.text for o in got] == [o.text for o in expected]
+    assert all(o.finish_reason == "length" for o in got)
+    # Every request's KV went over the wire: the prompt's blocks of both layers, K and V.
+    bytes_per_block = 2 * TINY["block_size"] * 2 * 2 * 8 * 4  # layers, tokens, K/V, kv heads, dim, fp32
+    for prompt, out in zip(batch, got, strict=True):
+        m = out.metrics
+        assert m["kv_transfer"]["bytes"] == -(-len(prompt) // TINY["block_size"]) * bytes_per_block
+        assert 0 < m["kv_transfer_time"] == pytest.approx(
+            m["kv_transfer"]["end"] - m["kv_transfer"]["start"])
+        assert m["ttft"] <= m["kv_transfer"]["start"] and m["num_output_tokens"] == 20
+    assert_blocks_freed(disagg)
+
+
+def test_back_pressure_queues_hand_offs_without_preempting(disagg, colocated):
+    """Ten requests of up to 80 tokens into a decode cache of 160 tokens: at most two decode
+    at once, the rest wait with their KV held by the prefill worker."""
+    batch = prompts(10, seed=1)
+    expected = [o.token_ids for o in colocated.generate(batch, GREEDY)]
+    seen = {"held": 0, "decode_running": 0}
+    for prompt in batch:
+        disagg.add_request(prompt, GREEDY)
+    finals = {}
+    while disagg.has_unfinished_requests():
+        for out in disagg.step():
+            if out.finished:
+                finals[out.request_id] = out
+        stats = disagg.worker_stats
+        seen["held"] = max(seen["held"], stats["prefill"]["held"])
+        seen["decode_running"] = max(seen["decode_running"], stats["decode"]["running"])
+    assert sorted(o.token_ids for o in finals.values()) == sorted(expected)
+    assert seen["held"] >= 1 and 1 <= seen["decode_running"] <= 2
+    assert disagg.worker_stats["decode"]["preemptions"] == 0
+    assert_blocks_freed(disagg)
+
+
+def test_seeded_sampling_and_stop_strings_match_colocated(disagg, colocated):
+    batch = prompts(6, seed=2)
+    sampled = [SamplingParams(temperature=0.8, top_p=0.9, max_tokens=16, seed=i, ignore_eos=True)
+               for i in range(len(batch))]
+    expected = colocated.generate(batch, sampled)
+    assert [o.token_ids for o in disagg.generate(batch, sampled)] == [
+        o.token_ids for o in expected]
+    # A stop string from the middle of each greedy answer: the front finds it in the text,
+    # the workers are told to stop and free the request's blocks.
+    greedy = colocated.generate(batch, GREEDY)
+    stops = [SamplingParams(temperature=0, max_tokens=20, ignore_eos=True,
+                            stop=[o.text[6:8]]) for o in greedy]
+    expected = colocated.generate(batch, stops)
+    got = disagg.generate(batch, stops)
+    assert [(o.text, o.finish_reason) for o in got] == [
+        (o.text, o.finish_reason) for o in expected]
+    assert any(o.finish_reason == "stop" for o in got)
+    assert_blocks_freed(disagg)
+
+
+def test_cancelled_requests_free_their_blocks_on_both_sides(disagg):
+    """Abort everything while requests sit in every stage: decoding, being pulled, offered,
+    held by the prefill worker, prefilling, queued."""
+    long = SamplingParams(temperature=0, max_tokens=100, ignore_eos=True)
+    ids = [disagg.add_request(p, long) for p in prompts(8, seed=3, low=30, high=60)]
+    tokens = dict.fromkeys(ids, 0)
+    while sum(1 for n in tokens.values() if n >= 3) < 1:
+        for out in disagg.step():
+            tokens[out.request_id] += len(out.token_ids)
+    for request_id in ids:
+        disagg.abort_request(request_id)
+    finals = {}
+    while disagg.has_unfinished_requests():
+        for out in disagg.step():
+            if out.finished:
+                finals[out.request_id] = out.finish_reason
+    assert set(finals) == set(ids) and set(finals.values()) == {"abort"}
+    assert_blocks_freed(disagg)
+    # And the engine serves on.
+    assert disagg.generate(prompts(1, seed=4), GREEDY)[0].num_output_tokens == 20
+
+
+async def test_killing_the_decode_worker_fails_its_stream_and_the_engine_recovers(
+        tiny_model, colocated):
+    engine = DisaggregatedEngine.from_config(EngineConfig(
+        model=tiny_model, mode="disaggregated",
+        **(TINY | {"max_model_len": 512, "disagg_prefill_kv_blocks": 160,
+                   "disagg_decode_kv_blocks": 160})))
+    front = AsyncEngine(engine)
+    prompt = prompts(1, seed=5)[0]
+    try:
+        assert engine.is_healthy()
+        streamed = 0
+        killed_at = None
+        with pytest.raises(WorkerFailure, match="decode worker .* died"):
+            stream = front.generate(prompt, SamplingParams(temperature=0, max_tokens=450,
+                                                           ignore_eos=True))
+            async with asyncio.timeout(30):
+                async for out in stream:
+                    streamed += len(out.token_ids)
+                    if streamed >= 3 and killed_at is None:
+                        os.kill(engine.worker_pids()["decode"], signal.SIGKILL)
+                        killed_at = time.monotonic()
+        assert killed_at is not None and time.monotonic() - killed_at < 5.0
+        assert streamed < 450
+        assert not engine.is_healthy() and engine.num_restarts == 1
+        # A later request waits for the new workers and succeeds.
+        async with asyncio.timeout(60):
+            got = [t async for out in front.generate(prompt, GREEDY) for t in out.token_ids]
+        assert got == colocated.generate([prompt], GREEDY)[0].token_ids
+        assert engine.is_healthy()
+        assert_blocks_freed(engine)
+    finally:
+        front.shutdown()
+        engine.close()
+
+
+@pytest.mark.slow
+def test_greedy_output_equals_colocated_on_the_bundled_model():
+    settings = dict(max_model_len=512, num_kv_blocks=128, max_num_batched_tokens=256)
+    colocated = LLMEngine.from_config(EngineConfig(**settings))
+    batch = [colocated.tokenizer.encode_chat(chat(p)) for p in CHAT_PROMPTS[:10]]
+    params = SamplingParams(temperature=0, max_tokens=16)
+    expected = colocated.generate(batch, params)
+    engine = LLMEngine.from_config(EngineConfig(mode="disaggregated", **settings))
+    try:
+        got = engine.generate(batch, params)
+        assert [o.token_ids for o in got] == [o.token_ids for o in expected]
+        assert [o.text for o in got] == [o.text for o in expected]
+        assert "Paris" in got[0].text
+        assert all(o.metrics["kv_transfer"]["bytes"] > 0 for o in got)
+        assert_blocks_freed(engine)
+    finally:
+        engine.close()
