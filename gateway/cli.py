@@ -382,9 +382,46 @@ def jobs(
 
 
 @app.command()
-def diagnose(source: str) -> None:
-    """Say which phase owns the latency, from a metrics endpoint or a bench result file."""
-    not_ready("diagnose")
+def diagnose(
+    source: Annotated[
+        str,
+        typer.Argument(
+            help="A bench result file (JSON) or a metrics URL (http://host:port/metrics)."
+        ),
+    ],
+    as_json: Annotated[bool, typer.Option("--json", help="Print the full report as JSON.")] = False,
+) -> None:
+    """Say which phase owns the latency (queue, prefill, decode, interference), with the numbers."""
+    from gateway import diagnose as diagnosis
+
+    try:
+        if source.startswith(("http://", "https://")):
+            import httpx
+
+            reports = {
+                source: diagnosis.from_metrics(
+                    httpx.get(source, timeout=30).raise_for_status().text
+                )
+            }
+        else:
+            path = Path(source)
+            if not path.is_file():
+                fail(f"no such file: {source}")
+            reports = diagnosis.from_file(path)
+    except (ValueError, httpx_errors()) as exc:
+        fail(f"cannot diagnose {source}: {exc}")
+    if as_json:
+        typer.echo(json.dumps(reports, indent=2, default=str))
+        return
+    for name, report in reports.items():
+        console.rule(str(name))
+        console.print(report["verdict"])
+
+
+def httpx_errors() -> type[Exception]:
+    import httpx
+
+    return httpx.HTTPError
 
 
 @app.command()
