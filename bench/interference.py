@@ -45,6 +45,9 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--model", default=None)
+    p.add_argument("--out", default=None,
+                   help="write every request's timeline summary here (JSON), for "
+                        "engine.diagnosis.diagnose or the CLI")
     return p.parse_args()
 
 
@@ -116,6 +119,7 @@ def report(name: str, result: dict) -> dict:
         "tpot_p99": percentile(tpots, 99),
         "decoder_tpot_p99": percentile([s["tpot"] for s in decoders], 99),
         "itl_p99": percentile(itl, 99),
+        "itl_max": max(itl),
         "throughput": result["out_tokens"] / result["makespan"],
     }
     print(f"\n== {name}: makespan {result['makespan']:.1f} s, {result['out_tokens']} output "
@@ -123,7 +127,7 @@ def report(name: str, result: dict) -> dict:
     print(f"   long-prompt TTFT p50 {stats['ttft_p50']:.2f} s, p99 {stats['ttft_p99']:.2f} s")
     print(f"   TPOT p50 {stats['tpot_p50'] * 1e3:.0f} ms, p99 {stats['tpot_p99'] * 1e3:.0f} ms "
           f"(streaming decoders' p99 {stats['decoder_tpot_p99'] * 1e3:.0f} ms); ITL p99 "
-          f"{stats['itl_p99'] * 1e3:.0f} ms")
+          f"{stats['itl_p99'] * 1e3:.0f} ms, max {stats['itl_max'] * 1e3:.0f} ms")
     print("   diagnosis:\n     " + diagnose(summaries)["verdict"].replace("\n", "\n     "))
     return stats
 
@@ -166,9 +170,13 @@ def main() -> None:
     workload = make_workload(args, vocab, mean_gap)
     print("long-prompt arrivals: " + ", ".join(
         f"{at:.1f} s ({len(p)} tok)" for at, kind, p, _ in workload if kind == "long"))
-    with_chunks = report("chunked prefill", run(chunked, workload))
-    without = report("unchunked (whole prompts, prefill-only steps)",
-                     run(build_engine(checkpoint, runner, False, args), workload))
+    runs = {"chunked": run(chunked, workload),
+            "unchunked": run(build_engine(checkpoint, runner, False, args), workload)}
+    with_chunks = report("chunked prefill", runs["chunked"])
+    without = report("unchunked (whole prompts, prefill-only steps)", runs["unchunked"])
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump({mode: r["summaries"] for mode, r in runs.items()}, f)
     print(json.dumps({
         "tpot_p99_chunked_ms": round(with_chunks["tpot_p99"] * 1e3, 1),
         "tpot_p99_unchunked_ms": round(without["tpot_p99"] * 1e3, 1),
@@ -176,6 +184,7 @@ def main() -> None:
         "ttft_p50_ratio": round(with_chunks["ttft_p50"] / without["ttft_p50"], 3),
         "throughput_ratio": round(with_chunks["throughput"] / without["throughput"], 3),
         "itl_p99_ratio": round(with_chunks["itl_p99"] / without["itl_p99"], 3),
+        "itl_max_ratio": round(with_chunks["itl_max"] / without["itl_max"], 3),
     }))
 
 

@@ -11,6 +11,9 @@ import threading
 import uuid
 from collections.abc import AsyncIterator
 
+from prometheus_client import CollectorRegistry
+
+from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine, RequestOutput
 from engine.sampling import InvalidRequest, SamplingParams
 
@@ -25,6 +28,12 @@ class AsyncEngine:
         self._stopping = False
         self._thread = threading.Thread(target=self._loop, name="inherent-engine", daemon=True)
         self._thread.start()
+
+    @classmethod
+    def from_config(cls, config: EngineConfig, registry: CollectorRegistry | None = None
+                    ) -> "AsyncEngine":
+        """Load the configured model and start the engine thread."""
+        return cls(LLMEngine.from_config(config, registry))
 
     @property
     def tokenizer(self):
@@ -70,6 +79,11 @@ class AsyncEngine:
         prompt = self.engine.tokenizer.encode_chat(messages)
         async for out in self.generate(prompt, params, request_id):
             yield out
+
+    def is_healthy(self) -> bool:
+        """The step thread runs and the engine behind it (workers, in disaggregated mode) is up."""
+        check = getattr(self.engine, "is_healthy", None)
+        return self._thread.is_alive() and not self._stopping and (check is None or check())
 
     def shutdown(self) -> None:
         self._stopping = True

@@ -89,9 +89,11 @@ def select_attend(device: torch.device) -> tuple[str, AttendFn]:
 
 # Decodes are attended in chunks of at most this many sequences, sorted by context length: each
 # chunk is padded only to its own longest context, and its gathered K/V (a few MB) stay in cache
-# between the gather and the SDPA that reads them. Measured on 2 Zen 3 cores, 64 sequences x 384
-# keys, fp32: one chunk 12.0 ms/layer, chunks of 16: 9.3 ms, of 8: 7.2 ms, of 4: slower again.
-DECODE_CHUNK_SEQS = 8
+# between the gather and the SDPA that reads them; smaller chunks cost more ops per layer.
+# Measured on 2 Zen 3 cores, whole decode step of SmolLM2-135M, 64 sequences with contexts of
+# 128-640 tokens on scattered blocks (min of runs, noisy machine): chunks of 1: 716 ms, 2: 515,
+# 4: 465-507, 8: 523-829, 16: 1192, all 64 in one: 1749. With 16 sequences: 2-4 best (~165 ms).
+DECODE_CHUNK_SEQS = 4
 
 
 @dataclass(slots=True)

@@ -94,7 +94,8 @@ def _verdict(report: dict) -> str:
         f"{ttft['share']['queue']:.0%} waiting in the queue, {ttft['share']['prefill']:.0%} "
         f"prefill; in the slowest tail {ttft['tail_share'][ttft['cause']]:.0%} is "
         f"{ttft['cause']} -> "
-        + ("admission/capacity (more seats, KV blocks, or fewer requests)"
+        + ("admission: requests wait behind earlier prompts' prefill or for seats/KV blocks"
+           " (capacity, admission policy)"
            if ttft["cause"] == "queue" else "prompt compute (prefill speed, chunk budget)")
     ]
     tpot = report["tpot"]

@@ -29,8 +29,10 @@ the worker's finish reason or None, prefill facts on a first token or None).
 """
 
 import contextlib
+import faulthandler
 import os
 import queue
+import signal
 import threading
 import traceback
 from dataclasses import dataclass
@@ -95,6 +97,7 @@ def blocks_for(num_tokens: int, block_size: int) -> int:
 def worker_main(spec: WorkerSpec, conn) -> None:
     """Process entry point: load, join the transfer group, say hello, serve until stopped."""
     code = 0
+    faulthandler.register(signal.SIGUSR1)  # `kill -USR1 <pid>`: every thread's stack to stderr
     try:
         worker = Worker(spec, conn)
         worker.run()
@@ -170,7 +173,7 @@ class Worker:
             if msg[0] == "stop":
                 return
 
-    def _sent(self, request_id: str, start: float, end: float, num_bytes: int) -> None:
+    def _sent(self, request_id: str) -> None:
         self.inbox.put(("sent", request_id))
 
     def _received(self, request_id: str, blocks: torch.Tensor) -> None:
@@ -195,7 +198,8 @@ class Worker:
                 self.conn.send(("release", request_id))
             elif request_id in self.receiving:
                 self.cancelled.add(request_id)
-            # Held by the prefill worker: the front answers its report with a release.
+            elif request_id in self.held:  # prefill: never offered (the front had no report)
+                engine.block_manager.free_seq(self.held.pop(request_id))
         elif kind in ("release", "sent"):
             seq = self.held.pop(msg[1], None)
             if seq is not None:
@@ -267,11 +271,11 @@ class Worker:
         engine = self.engine
         stalled = False  # the last step had nothing to run (e.g. held hand-offs fill the cache)
         while not self.stopping:
+            if self.role == "decode":  # before waiting: a finished request may make room
+                self._admit_offers()
             block = stalled or not engine.has_unfinished_requests()
             for msg in self._messages(block):
                 self._handle(msg)
-            if self.role == "decode":
-                self._admit_offers()
             if self.stopping or not engine.has_unfinished_requests():
                 continue
             steps, prefill_steps = engine.num_steps, getattr(engine, "_num_prefill_steps", 0)

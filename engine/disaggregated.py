@@ -154,6 +154,8 @@ class DisaggregatedEngine(LLMEngine):
         self.model_path = str(checkpoint.path)
         self._num_blocks = num_blocks
         self._location: dict[str, str] = {}  # request id -> the role that has it
+        self._offers: set[str] = set()  # offered to the decode worker, not pulled nor declined
+        self._orphans: set[str] = set()  # of those, finished here: their KV waits for a release
         self._ready: list[RequestOutput] = []  # outputs to return at the next step
         self._workers: dict[str, _Worker] = {}
         self._started_at = 0.0
@@ -162,7 +164,6 @@ class DisaggregatedEngine(LLMEngine):
         self._fault: tuple[list[str], WorkerFailure] | None = None
         self._dead: WorkerFailure | None = None
         self._totals = {"preemptions": 0, "prefix_queries": 0, "prefix_hits": 0}
-        self._kv_usage = {role: 0.0 for role in ROLES}
         self.worker_stats: dict[str, dict] = {}  # each worker's last step report
         self._inspections: dict[str, dict] = {}
         self._wake_r, self._wake_w = os.pipe()
@@ -202,7 +203,9 @@ class DisaggregatedEngine(LLMEngine):
     def _start_workers(self) -> None:
         port = self.config.disagg_port or free_port(self.config.disagg_addr)
         specs = worker_specs(self.config, self.model_path, self._num_blocks, port)
-        ctx = mp.get_context("spawn")
+        ctx = mp.get_context(self.config.disagg_start_method)
+        if self.config.disagg_start_method == "forkserver":  # import torch once, there
+            ctx.set_forkserver_preload(["engine.disagg_worker"])
         self._workers = {}
         for role in ROLES:
             ours, theirs = ctx.Pipe()
@@ -274,7 +277,9 @@ class DisaggregatedEngine(LLMEngine):
             os.write(self._wake_w, b"\0")
 
     def has_unfinished_requests(self) -> bool:
-        return super().has_unfinished_requests() or bool(self._ready)
+        """Also while an aborted request's KV waits in the prefill worker for the decode
+        worker to decline its offer (the front forwards that release)."""
+        return super().has_unfinished_requests() or bool(self._ready or self._orphans)
 
     # -- the step -------------------------------------------------------------------------------
 
@@ -336,6 +341,8 @@ class DisaggregatedEngine(LLMEngine):
         role = self._location.pop(request_id, None)
         if role is not None and role in self._workers:
             self._send(self._workers[role], ("abort", request_id))
+        if request_id in self._offers:
+            self._orphans.add(request_id)
 
     def _send(self, worker: _Worker, msg: tuple) -> None:
         with contextlib.suppress(OSError, ValueError):  # a dead worker: _supervise finds it
@@ -369,8 +376,10 @@ class DisaggregatedEngine(LLMEngine):
             self._on_stats(worker, stats)
             self._on_tokens(worker.role, reports, outputs)
         elif kind == "pull":  # the decode worker receives: the prefill worker must send
+            self._answered(msg[1])
             self._send(self._workers["prefill"], ("send", msg[1], msg[2]))
         elif kind == "release":  # an offer the decode worker dropped unpulled
+            self._answered(msg[1])
             self._send(self._workers["prefill"], ("release", msg[1]))
         elif kind == "transferred":
             _, request_id, start, end, num_bytes = msg
@@ -416,9 +425,14 @@ class DisaggregatedEngine(LLMEngine):
                 outputs.append(self._finish_output(seq))
             elif prefill is not None:  # its KV waits in the prefill worker: offer it
                 self._location[request_id] = "decode"
+                self._offers.add(request_id)
                 self._send(self._workers["decode"], (
                     "offer", request_id, list(seq.token_ids), seq.num_prompt_tokens,
                     _wire_params(seq), at))
+
+    def _answered(self, request_id: str) -> None:
+        self._offers.discard(request_id)
+        self._orphans.discard(request_id)
 
     def _start_decoding(self, seq: Sequence, prefill: tuple) -> None:
         """Its first token came: the prefill facts join the front's timeline."""
@@ -436,15 +450,17 @@ class DisaggregatedEngine(LLMEngine):
         for key in self._totals:  # running totals per worker life, summed across restarts
             self._totals[key] += stats[key] - worker.totals.get(key, 0)
             worker.totals[key] = stats[key]
-        self._kv_usage[worker.role] = stats["kv_usage"]
         self.worker_stats[worker.role] = stats
         if worker.role == "decode" and stats["clean_step"] is not None:
             self._clean_decode_steps.append(stats["clean_step"])
 
     def _observe_step(self, outputs: list[RequestOutput]) -> None:
-        self._prefill_kv_usage.set(self._kv_usage["prefill"])
+        def usage(role: str) -> float:
+            return self.worker_stats.get(role, {}).get("kv_usage", 0.0)
+
+        self._prefill_kv_usage.set(usage("prefill"))
         self.metrics.observe_step(
-            len(self.scheduler.running), len(self.scheduler.waiting), self._kv_usage["decode"],
+            len(self.scheduler.running), len(self.scheduler.waiting), usage("decode"),
             sum(len(o.token_ids) for o in outputs), self._totals["preemptions"],
             self._totals["prefix_queries"], self._totals["prefix_hits"],
         )
@@ -452,7 +468,8 @@ class DisaggregatedEngine(LLMEngine):
     # -- faults ---------------------------------------------------------------------------------
 
     def _supervise(self) -> None:
-        """Raise WorkerFailure (after planning the restart) when a worker died or cannot start."""
+        """When a worker died or cannot start: restart both, and raise WorkerFailure for
+        the requests that streamed tokens (`fail_all` retires them)."""
         dead = [w for w in self._workers.values() if not w.process.is_alive()]
         starting = not self.ready
         timed_out = starting and now() - self._started_at > self.config.disagg_start_timeout
@@ -479,15 +496,20 @@ class DisaggregatedEngine(LLMEngine):
             raise self._dead
         # Requests that streamed nothing re-run from the prompt on the new workers.
         failed = [rid for rid, seq in self.requests.items() if seq.num_output_tokens]
-        error = WorkerFailure(f"disaggregated engine: {what}; the request was lost with it "
-                              f"and the engine is restarting its workers")
+        log.error("disaggregated engine: %s; %d requests failed, %d will re-run", what,
+                  len(failed), len(self.requests) - len(failed))
         self._restart()
-        self._fault = (failed, error)
-        raise error
+        if failed:
+            error = WorkerFailure(f"disaggregated engine: {what}; the request was lost with "
+                                  f"it and the engine is restarting its workers")
+            self._fault = (failed, error)
+            raise error
 
     def _restart(self) -> None:
         _stop(list(self._workers.values()), graceful=False)
         self._location.clear()  # what streamed nothing is dispatched again
+        self._offers.clear()
+        self._orphans.clear()
         self.num_restarts += 1
         log.warning("disaggregated engine: restarting its workers (restart %d)",
                     self.num_restarts)

@@ -23,8 +23,6 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from engine.timeline import now
-
 PREFILL_RANK, DECODE_RANK = 0, 1
 
 
@@ -79,7 +77,7 @@ class KVSender(_TransferThread):
     """Prefill side: sends requests' blocks to the decode rank."""
 
     def __init__(self, kv_cache: list[torch.Tensor], backend: str,
-                 on_sent: Callable[[str, float, float, int], None],
+                 on_sent: Callable[[str], None],
                  on_error: Callable[[str, BaseException], None]):
         super().__init__("inherent-kv-sender", on_error)
         self.kv_cache = kv_cache
@@ -88,12 +86,11 @@ class KVSender(_TransferThread):
 
     def submit(self, request_id: str, block_ids: list[int], tag: int) -> None:
         def send() -> None:
-            start = now()
             blocks = gather_blocks(self.kv_cache, block_ids)
             if self.on_host:
                 blocks = blocks.cpu()
             dist.send(blocks, DECODE_RANK, tag=tag)
-            self.on_sent(request_id, start, now(), blocks.numel() * blocks.element_size())
+            self.on_sent(request_id)
 
         self._jobs.put((request_id, send))
 

@@ -5,7 +5,7 @@ cache, SwiGLU, tied or untied LM head. At load time Q/K/V become one matrix and 
 so a layer is about fifteen torch ops whatever the batch holds:
 
     rms_norm, qkv matmul, RoPE (one complex multiply, in place, on q and k together),
-    cache write (one index_copy_), attention (a gather + an SDPA per chunk of up to 8 decodes,
+    cache write (one index_copy_), attention (a gather + an SDPA per chunk of a few decodes,
     and per prefill chunk; see engine/attention.py), o matmul, residual add_, rms_norm,
     gate_up matmul, silu, mul_, down matmul, residual add_.
 

@@ -56,7 +56,7 @@ class Services:
         self.engine.shutdown()
 
     def healthy(self) -> bool:
-        return self.engine.is_alive()
+        return self.engine.is_healthy()
 
     @property
     def max_model_len(self) -> int:
@@ -136,6 +136,7 @@ def engine_config(settings: Settings):
         enable_chunked_prefill=settings.enable_chunked_prefill,
         enable_prefix_caching=settings.enable_prefix_caching,
         max_waiting_requests=settings.max_waiting_requests,
+        mode=settings.engine_mode,  # "disaggregated": LLMEngine.from_config starts the workers
     )
 
 

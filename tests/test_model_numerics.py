@@ -250,3 +250,19 @@ def test_bundled_chunked_prefill_and_mixed_batch(bundled_checkpoint, bundled_mod
     logits = runner.step([("a", a[-1:]), ("b", b[25:]), ("c", c)])
     for row, expected in zip(logits, alone, strict=True):
         assert (row - expected).abs().max() < 1e-4
+
+
+def test_dense_matmul_path_matches_packed(tmp_path, monkeypatch):
+    """Where oneDNN packing is unavailable (GPU, other builds) the model uses F.linear."""
+    checkpoint = load_hf_dir(write_tiny_llama(tmp_path))
+    packed = LlamaModel(checkpoint.config, checkpoint.weights)
+    monkeypatch.setattr(torch.backends.mkldnn, "is_available", lambda: False)
+    dense = LlamaModel(checkpoint.config, checkpoint.weights)
+    assert packed.layers[0].qkv.packed is not None and dense.layers[0].qkv.packed is None
+    ids = list(range(3, 40))
+    torch.testing.assert_close(
+        PagedRunner(dense).step([("a", ids)]),
+        PagedRunner(packed).step([("a", ids)]),
+        atol=1e-4,
+        rtol=1e-4,
+    )

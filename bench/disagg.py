@@ -1,0 +1,178 @@
+"""Colocated vs disaggregated prefill/decode on the interference workload, in one run.
+
+The workload is bench/interference.py's (imported, same flags and seed): D streaming requests
+(short prompts, 256 output tokens) start together, L long prompts arrive on a Poisson schedule
+while they stream. It runs on:
+
+* colocated: one LLMEngine, chunked prefill, `--threads` torch threads (default 2);
+* disaggregated: a prefill worker and a decode worker, one core each (engine/disaggregated.py),
+  the KV of each prompt handed over gloo.
+
+Per mode: long-prompt TTFT p50/p99, TPOT p50/p99 (all requests, and the streaming decoders'),
+and goodput: requests per second of makespan that met both the TTFT and the TPOT objective
+(printed; by default 2x the colocated engine's unloaded figures from the calibration: the
+prefill of a mean long prompt alone, and the decode step of the D streams alone). Each mode also
+runs the streaming decoders with no long prompt at all: decode isolation = decoders' TPOT p99
+under the long prompts / without them (1.0 = prefill load does not reach the decoders).
+
+The last line is one JSON object; ratios are disaggregated / colocated.
+
+    flock /tmp/inherent-bench.lock .venv/bin/python -m bench.disagg
+    flock /tmp/inherent-bench.lock .venv/bin/python -m bench.disagg --decoders 8 \\
+        --decode-tokens 128 --long-prompts 3        # a quicker run
+"""
+
+import argparse
+import dataclasses
+import json
+import os
+import random
+import statistics
+import sys
+import time
+
+import torch
+
+from bench.interference import build_engine, make_workload, report, run
+from engine import SamplingParams
+from engine.diagnosis import percentile
+from engine.disaggregated import DisaggregatedEngine
+
+
+def parse_args() -> argparse.Namespace:
+    # interference.py's flags (same defaults), plus ours.
+    extra = argparse.ArgumentParser(add_help=False)
+    extra.add_argument("--ttft-slo", type=float, default=None,
+                       help="TTFT objective in seconds (default: 2x the calibrated prefill "
+                            "of a mean long prompt)")
+    extra.add_argument("--tpot-slo", type=float, default=None,
+                       help="TPOT objective in seconds (default: 2x the calibrated decode step "
+                            "of the streaming requests)")
+    ours, rest = extra.parse_known_args()
+    from bench import interference
+
+    sys.argv = [sys.argv[0], *rest]  # interference.parse_args reads the command line
+    args = interference.parse_args()
+    args.threads = args.threads or 2
+    return argparse.Namespace(**vars(args), **vars(ours))
+
+
+def calibrate(checkpoint, runner, args) -> tuple[float, float]:
+    """The colocated engine alone: the decode step of the D streams, and the prefill time of
+    a mean long prompt."""
+    rng = random.Random(args.seed + 1)
+    vocab = checkpoint.config.vocab_size
+    probe = build_engine(checkpoint, runner, False, args)
+    streams = [[rng.randrange(100, vocab - 100) for _ in range(args.decoder_prompt)]
+               for _ in range(args.decoders)]
+    outs = probe.generate(streams, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
+    decode_step = statistics.median(g for o in outs for g in o.metrics["itl"])
+    long_len = (args.long_min + args.long_max) // 2
+    start = time.perf_counter()
+    probe.generate([[rng.randrange(100, vocab - 100) for _ in range(long_len)]],
+                   SamplingParams(temperature=0, max_tokens=1))
+    return decode_step, time.perf_counter() - start
+
+
+def goodput(result: dict, ttft_slo: float, tpot_slo: float) -> float:
+    """Requests per second that met both objectives (one output token: TTFT only)."""
+    good = sum(1 for s in result["summaries"]
+               if s["ttft"] <= ttft_slo and (s["tpot"] is None or s["tpot"] <= tpot_slo))
+    return good / result["makespan"]
+
+
+def decoders_tpot_p99(result: dict) -> float:
+    return percentile([s["tpot"] for s in result["summaries"] if s["kind"] == "decoder"], 99)
+
+
+def measure(name: str, engine, workload: list[tuple], args) -> dict:
+    """The workload, then the streaming requests alone; the stats of both."""
+    loaded = run(engine, workload)
+    alone = run(engine, [w for w in workload if w[1] == "decoder"])
+    stats = report(name, loaded)
+    stats["goodput"] = goodput(loaded, args.ttft_slo, args.tpot_slo)
+    stats["decoder_tpot_p99_alone"] = decoders_tpot_p99(alone)
+    stats["decode_isolation"] = stats["decoder_tpot_p99"] / stats["decoder_tpot_p99_alone"]
+    transfers = [s["kv_transfer_time"] for s in loaded["summaries"]
+                 if s.get("kv_transfer_time") is not None]
+    stats["kv_transfer_p50"] = percentile(transfers, 50)
+    print(f"   goodput {stats['goodput']:.3f} req/s ({sum(1 for _ in loaded['summaries'])} "
+          f"requests in {loaded['makespan']:.1f} s); streaming decoders' TPOT p99 "
+          f"{stats['decoder_tpot_p99'] * 1e3:.0f} ms under load, "
+          f"{stats['decoder_tpot_p99_alone'] * 1e3:.0f} ms alone: decode isolation "
+          f"{stats['decode_isolation']:.2f}")
+    if transfers:
+        print(f"   KV transfer p50 {stats['kv_transfer_p50'] * 1e3:.1f} ms, max "
+              f"{max(transfers) * 1e3:.1f} ms over {len(transfers)} hand-offs")
+    return stats
+
+
+def main() -> None:
+    args = parse_args()
+    torch.set_num_threads(args.threads)
+    print(f"load average at start: {os.getloadavg()[0]:.2f} on {os.cpu_count()} cores "
+          f"(other processes skew both modes, the 2-thread colocated one most)")
+    from engine.loader import load_checkpoint
+    from engine.model_files import bundled_model_path
+
+    checkpoint = load_checkpoint(args.model or bundled_model_path())
+    colocated = build_engine(checkpoint, None, True, args)
+    # The same settings (and KV cache size, per worker) in disaggregated mode.
+    config = dataclasses.replace(colocated.config, mode="disaggregated")
+    decode_step, prefill_s = calibrate(checkpoint, colocated.model_runner, args)
+    args.tpot_slo = args.tpot_slo or 2 * decode_step
+    args.ttft_slo = args.ttft_slo or 2 * prefill_s
+    mean_gap = args.decode_tokens * decode_step / (args.long_prompts + 1)
+    workload = make_workload(args, checkpoint.config.vocab_size, mean_gap)
+    print(f"workload: {args.decoders} streaming requests ({args.decoder_prompt}-token prompts, "
+          f"{args.decode_tokens} output tokens) + {args.long_prompts} long prompts "
+          f"({args.long_min}-{args.long_max} tokens, {args.long_output} output tokens), Poisson "
+          f"arrivals, mean gap {mean_gap:.1f} s: "
+          + ", ".join(f"{at:.1f} s ({len(p)} tok)" for at, kind, p, _ in workload
+                      if kind == "long"))
+    print(f"calibration (colocated, {args.threads} threads, alone): {args.decoders}-stream "
+          f"decode step {decode_step * 1e3:.0f} ms, mean long prefill {prefill_s:.1f} s")
+    print(f"objectives: TTFT <= {args.ttft_slo:.2f} s and TPOT <= {args.tpot_slo * 1e3:.0f} ms")
+
+    co = measure(f"colocated ({args.threads} threads, chunked prefill)", colocated, workload,
+                 args)
+    del colocated
+    checkpoint.weights = {}  # the workers load their own
+    disagg = DisaggregatedEngine(config, checkpoint)
+    try:
+        disagg.wait_until_ready()
+        info = disagg.worker_info
+        # Warm both workers' kernels (first calls pay oneDNN's set-up) before measuring.
+        rng = random.Random(args.seed + 2)
+        vocab = checkpoint.config.vocab_size
+        disagg.generate([[rng.randrange(100, vocab - 100) for _ in range(n)]
+                         for n in (args.decoder_prompt, args.long_min)],
+                        SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
+        di = measure(f"disaggregated (prefill on cores {info['prefill']['cpus']}, decode on "
+                     f"{info['decode']['cpus']}, one thread each)", disagg, workload, args)
+    finally:
+        disagg.close()
+
+    def ratio(key: str) -> float:
+        return round(di[key] / co[key], 3)
+
+    print(f"load average at end: {os.getloadavg()[0]:.2f}")
+    print(json.dumps({
+        "tpot_p99_ratio": ratio("tpot_p99"),
+        "ttft_p99_ratio": ratio("ttft_p99"),
+        "goodput_ratio": ratio("goodput") if co["goodput"] else None,
+        "kv_transfer_ms_p50": round(di["kv_transfer_p50"] * 1e3, 2),
+        "decode_isolation": round(di["decode_isolation"], 3),
+        "colocated_decode_isolation": round(co["decode_isolation"], 3),
+        "decoder_tpot_p99_ms": {"colocated": round(co["decoder_tpot_p99"] * 1e3, 1),
+                                "disaggregated": round(di["decoder_tpot_p99"] * 1e3, 1)},
+        "ttft_p99_s": {"colocated": round(co["ttft_p99"], 2),
+                       "disaggregated": round(di["ttft_p99"], 2)},
+        "goodput_rps": {"colocated": round(co["goodput"], 4),
+                        "disaggregated": round(di["goodput"], 4)},
+        "slo": {"ttft_s": round(args.ttft_slo, 3), "tpot_ms": round(args.tpot_slo * 1e3, 1)},
+    }))
+
+
+if __name__ == "__main__":
+    main()
