@@ -46,7 +46,6 @@ from engine.kv_transfer import (
     KVReceiver,
     KVSender,
     join_transfer_group,
-    scatter_blocks,
 )
 from engine.llm_engine import LLMEngine, RequestOutput
 from engine.sequence import Sequence, SequenceStatus
@@ -176,8 +175,8 @@ class Worker:
     def _sent(self, request_id: str) -> None:
         self.inbox.put(("sent", request_id))
 
-    def _received(self, request_id: str, blocks: torch.Tensor) -> None:
-        self.inbox.put(("received", request_id, blocks))
+    def _received(self, request_id: str, end: float, num_bytes: int) -> None:
+        self.inbox.put(("received", request_id, end, num_bytes))
 
     def _transfer_failed(self, request_id: str, error) -> None:
         self.inbox.put(("transfer_failed", request_id, repr(error)))
@@ -207,7 +206,7 @@ class Worker:
         elif kind == "offer":
             self.offers[msg[1]] = msg[1:]
         elif kind == "received":
-            self._adopt(msg[1], msg[2])
+            self._adopt(*msg[1:])
         elif kind == "inspect":
             bm = engine.block_manager
             self.conn.send(("inspect", {
@@ -249,21 +248,20 @@ class Worker:
             self.receiving[request_id] = (seq, now())
             tag = self.next_tag
             self.next_tag += 1
-            self.receiver.submit(request_id, len(seq.block_table), tag)
+            self.receiver.submit(request_id, list(seq.block_table), tag)
             self.conn.send(("pull", request_id, tag))
 
-    def _adopt(self, request_id: str, blocks: torch.Tensor) -> None:
+    def _adopt(self, request_id: str, end: float, num_bytes: int) -> None:
+        """Its KV is in its blocks: it decodes from the next step on."""
         seq, start = self.receiving.pop(request_id)
         if request_id in self.cancelled:
             self.cancelled.discard(request_id)
             self.engine.block_manager.free_seq(seq)
             return
-        scatter_blocks(self.kv_cache, seq.block_table, blocks)
         seq.num_computed_tokens = seq.num_prompt_tokens
         adopt(self.engine, seq)
         self.seqs[request_id] = seq
-        self.conn.send(("transferred", request_id, start, now(),
-                        blocks.numel() * blocks.element_size()))
+        self.conn.send(("transferred", request_id, start, end, num_bytes))
 
     # -- the loop -------------------------------------------------------------------------------
 

@@ -23,6 +23,8 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from engine.timeline import now
+
 PREFILL_RANK, DECODE_RANK = 0, 1
 
 
@@ -96,23 +98,25 @@ class KVSender(_TransferThread):
 
 
 class KVReceiver(_TransferThread):
-    """Decode side: receives a request's blocks into a fresh tensor shaped like the gather."""
+    """Decode side: receives a request's blocks and writes them into the blocks allocated for
+    it. Safe beside the decode steps: nothing else reads or writes those blocks until the
+    request joins the running batch, after `on_received`."""
 
     def __init__(self, kv_cache: list[torch.Tensor], backend: str,
-                 on_received: Callable[[str, torch.Tensor], None],
+                 on_received: Callable[[str, float, int], None],
                  on_error: Callable[[str, BaseException], None]):
         super().__init__("inherent-kv-receiver", on_error)
-        self.block_shape = tuple(kv_cache[0].shape[1:])
-        self.num_layers = len(kv_cache)
-        self.dtype = kv_cache[0].dtype
+        self.kv_cache = kv_cache
         self.device = torch.device("cpu") if backend == "gloo" else kv_cache[0].device
         self.on_received = on_received
 
-    def submit(self, request_id: str, num_blocks: int, tag: int) -> None:
+    def submit(self, request_id: str, block_ids: list[int], tag: int) -> None:
         def receive() -> None:
-            blocks = torch.empty((self.num_layers, num_blocks, *self.block_shape),
-                                 dtype=self.dtype, device=self.device)
+            cache = self.kv_cache
+            blocks = torch.empty((len(cache), len(block_ids), *cache[0].shape[1:]),
+                                 dtype=cache[0].dtype, device=self.device)
             dist.recv(blocks, PREFILL_RANK, tag=tag)
-            self.on_received(request_id, blocks)
+            scatter_blocks(cache, block_ids, blocks)
+            self.on_received(request_id, now(), blocks.numel() * blocks.element_size())
 
         self._jobs.put((request_id, receive))

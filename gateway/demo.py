@@ -152,7 +152,7 @@ async def ask(client: httpx.AsyncClient, console: Console, question: str) -> str
             "model": "inherent",
             "messages": [{"role": "user", "content": question}],
             "temperature": 0,
-            "max_tokens": 96,
+            "max_tokens": 48,
         },
     )
     print_answer(reply)

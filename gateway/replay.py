@@ -143,6 +143,7 @@ def drift_report(services: Services, session: Session, receipt: Receipt) -> dict
         receipt.tenant_id,
         now_epoch,
         max(len(body["inherent.retrieval.chunks"]), 1),
+        min_score=services.settings.retrieval_min_score,
     )
     sources = []
     cited = {(c["source_id"], c["version"]) for c in body["inherent.retrieval.chunks"]}

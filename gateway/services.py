@@ -107,6 +107,7 @@ class Services:
                 snapshot,
                 top_k or self.settings.retrieval_top_k,
                 vector,
+                self.settings.retrieval_min_score,
             )
             chunks = memory.fit_to_budget(
                 retrieval.chunks, self.settings.context_token_budget, self.count_tokens

@@ -99,13 +99,19 @@ def retrieve(
     snapshot_epoch: int,
     top_k: int,
     vector: np.ndarray | None = None,
+    min_score: float = 0.0,
 ) -> Retrieval:
     """Top-k chunks visible at the snapshot; ``vector`` is the query's embedding if already known."""
     if vector is None:
         vector = embedder.embed([query])[0]
     # Over-fetch: a hit the index still shows but SQL says is not visible is dropped below.
     hits = index.search(tenant_id, vector, snapshot_epoch, top_k * 2 + 4)
-    scores = {str(h.chunk_id): round(float(h.score), SCORE_DECIMALS) for h in hits}
+    # A floor on cosine similarity: an unrelated chunk only distracts a small model.
+    scores = {
+        str(h.chunk_id): score
+        for h in hits
+        if (score := round(float(h.score), SCORE_DECIMALS)) >= min_score
+    }
     rows = visible_chunks(session, tenant_id, snapshot_epoch, list(scores))
     ordered = sorted(rows, key=lambda pair: (-scores[pair[0].id], pair[0].chunk_hash))[:top_k]
     chunks = tuple(

@@ -45,6 +45,7 @@ class Settings(BaseSettings):
     max_file_bytes: int = Field(20 * 1024 * 1024, gt=0)
 
     retrieval_top_k: int = Field(4, gt=0)
+    retrieval_min_score: float = Field(0.3, ge=-1.0, le=1.0)
     context_token_budget: int = Field(1024, gt=0)
 
     host: str = "127.0.0.1"

@@ -51,7 +51,9 @@ def test_seeded_sampling_replays_identically(api):
     assert result["verdict"] == "identical"
 
 
-def test_drift_report_names_changed_and_deprecated_sources(api, tmp_path):
+def test_drift_report_names_changed_and_deprecated_sources(api, tmp_path, monkeypatch):
+    # Cite every source, not only the close ones, so one can be changed and another deprecated.
+    monkeypatch.setattr(api.settings, "retrieval_min_score", -1.0)
     plans_reply = api.chat("How much does the Plus plan cost?")
     cited = {c["source_id"] for c in plans_reply["citations"]}
     assert "storage-plans.md" in cited
