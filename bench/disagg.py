@@ -10,8 +10,8 @@ while they stream. It runs on:
 
 Per mode: long-prompt TTFT p50/p99, TPOT p50/p99 (all requests, and the streaming decoders'),
 and goodput: requests per second of makespan that met both the TTFT and the TPOT objective
-(printed; by default 2x the colocated engine's unloaded figures from the calibration: the
-prefill of a mean long prompt alone, and the decode step of the D streams alone). Each mode also
+(printed; by default from the colocated engine's unloaded figures in the calibration: TTFT 2x
+the prefill of a mean long prompt alone, TPOT 3x the decode step of the D streams alone). Each mode also
 runs the streaming decoders with no long prompt at all: decode isolation = decoders' TPOT p99
 under the long prompts / without them (1.0 = prefill load does not reach the decoders).
 
@@ -46,8 +46,11 @@ def parse_args() -> argparse.Namespace:
                        help="TTFT objective in seconds (default: 2x the calibrated prefill "
                             "of a mean long prompt)")
     extra.add_argument("--tpot-slo", type=float, default=None,
-                       help="TPOT objective in seconds (default: 2x the calibrated decode step "
+                       help="TPOT objective in seconds (default: 3x the calibrated decode step "
                             "of the streaming requests)")
+    extra.add_argument("--summaries", default=None,
+                       help="write every request's timeline summary, per mode and run, here "
+                            "(JSON)")
     ours, rest = extra.parse_known_args()
     from bench import interference
 
@@ -85,10 +88,11 @@ def decoders_tpot_p99(result: dict) -> float:
     return percentile([s["tpot"] for s in result["summaries"] if s["kind"] == "decoder"], 99)
 
 
-def measure(name: str, engine, workload: list[tuple], args) -> dict:
+def measure(name: str, engine, workload: list[tuple], args, summaries: dict) -> dict:
     """The workload, then the streaming requests alone; the stats of both."""
     loaded = run(engine, workload)
     alone = run(engine, [w for w in workload if w[1] == "decoder"])
+    summaries[name] = {"loaded": loaded["summaries"], "alone": alone["summaries"]}
     stats = report(name, loaded)
     stats["goodput"] = goodput(loaded, args.ttft_slo, args.tpot_slo)
     stats["decoder_tpot_p99_alone"] = decoders_tpot_p99(alone)
@@ -120,7 +124,7 @@ def main() -> None:
     # The same settings (and KV cache size, per worker) in disaggregated mode.
     config = dataclasses.replace(colocated.config, mode="disaggregated")
     decode_step, prefill_s = calibrate(checkpoint, colocated.model_runner, args)
-    args.tpot_slo = args.tpot_slo or 2 * decode_step
+    args.tpot_slo = args.tpot_slo or 3 * decode_step
     args.ttft_slo = args.ttft_slo or 2 * prefill_s
     mean_gap = args.decode_tokens * decode_step / (args.long_prompts + 1)
     workload = make_workload(args, checkpoint.config.vocab_size, mean_gap)
@@ -134,8 +138,9 @@ def main() -> None:
           f"decode step {decode_step * 1e3:.0f} ms, mean long prefill {prefill_s:.1f} s")
     print(f"objectives: TTFT <= {args.ttft_slo:.2f} s and TPOT <= {args.tpot_slo * 1e3:.0f} ms")
 
+    summaries: dict[str, dict] = {}
     co = measure(f"colocated ({args.threads} threads, chunked prefill)", colocated, workload,
-                 args)
+                 args, summaries)
     del colocated
     checkpoint.weights = {}  # the workers load their own
     disagg = DisaggregatedEngine(config, checkpoint)
@@ -149,13 +154,17 @@ def main() -> None:
                          for n in (args.decoder_prompt, args.long_min)],
                         SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
         di = measure(f"disaggregated (prefill on cores {info['prefill']['cpus']}, decode on "
-                     f"{info['decode']['cpus']}, one thread each)", disagg, workload, args)
+                     f"{info['decode']['cpus']}, one thread each)", disagg, workload, args,
+                     summaries)
     finally:
         disagg.close()
 
     def ratio(key: str) -> float:
         return round(di[key] / co[key], 3)
 
+    if args.summaries:
+        with open(args.summaries, "w") as f:
+            json.dump(summaries, f)
     print(f"load average at end: {os.getloadavg()[0]:.2f}")
     print(json.dumps({
         "tpot_p99_ratio": ratio("tpot_p99"),

@@ -202,6 +202,8 @@ def main() -> None:
         [], dtype=getattr(torch, args.dtype)).element_size()
     roofline_ms = weight_bytes / (bandwidth * 1e9) * 1e3
 
+    print(f"load average before the engine run: {os.getloadavg()[0]:.1f} "
+          f"({os.cpu_count()} cores; other processes slow both runs)")
     ours = run_engine(engine, prompts, args.output_tokens)
     out_tok_s = ours["out_tokens"] / ours["elapsed"]
     overhead = ours["elapsed"] - ours["forward_seconds"]
@@ -222,6 +224,7 @@ def main() -> None:
         hf = run_transformers(engine, checkpoint, prompts[:hf_n], args.output_tokens,
                               min(args.hf_batch_size, hf_n), getattr(torch, args.dtype))
         hf_tok_s = hf_n * args.output_tokens / hf["elapsed"]
+        print(f"load average after the transformers run: {os.getloadavg()[0]:.1f}")
         exact, prefix = agreement(ours["outputs"][:hf_n], hf["outputs"])
         print(f"transformers: {hf['elapsed']:.1f} s, {hf_tok_s:.1f} output tok/s "
               f"({hf_n} requests, static batches of {min(args.hf_batch_size, hf_n)})")

@@ -18,6 +18,7 @@ The last line is one JSON object of chunked/unchunked ratios.
 
 import argparse
 import json
+import os
 import random
 import statistics
 import time
@@ -123,7 +124,8 @@ def report(name: str, result: dict) -> dict:
         "throughput": result["out_tokens"] / result["makespan"],
     }
     print(f"\n== {name}: makespan {result['makespan']:.1f} s, {result['out_tokens']} output "
-          f"tokens, {stats['throughput']:.1f} output tok/s")
+          f"tokens, {stats['throughput']:.1f} output tok/s (load average after: "
+          f"{os.getloadavg()[0]:.1f})")
     print(f"   long-prompt TTFT p50 {stats['ttft_p50']:.2f} s, p99 {stats['ttft_p99']:.2f} s")
     print(f"   TPOT p50 {stats['tpot_p50'] * 1e3:.0f} ms, p99 {stats['tpot_p99'] * 1e3:.0f} ms "
           f"(streaming decoders' p99 {stats['decoder_tpot_p99'] * 1e3:.0f} ms); ITL p99 "

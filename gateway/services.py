@@ -71,7 +71,8 @@ class Services:
 
     def render(self, messages: list[dict[str, str]]) -> tuple[str, list[int]]:
         text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
-        return text, self.tokenizer.encode(text)
+        # The template already placed any BOS; encoding must not add a second one.
+        return text, self.tokenizer.encode(text, add_special_tokens=False)
 
     def prepare(
         self,
