@@ -44,9 +44,14 @@ def join_transfer_group(rank: int, addr: str, port: int, backend: str, timeout_s
 
 
 def gather_blocks(kv_cache: list[torch.Tensor], block_ids: list[int]) -> torch.Tensor:
-    """The blocks ``block_ids`` of every layer, as one contiguous tensor."""
+    """The blocks ``block_ids`` of every layer, as one contiguous tensor (one copy)."""
     index = torch.tensor(block_ids, dtype=torch.int64, device=kv_cache[0].device)
-    return torch.stack([layer.index_select(0, index) for layer in kv_cache])
+    first = kv_cache[0]
+    out = torch.empty((len(kv_cache), len(block_ids), *first.shape[1:]), dtype=first.dtype,
+                      device=first.device)
+    for layer, part in zip(kv_cache, out, strict=True):
+        torch.index_select(layer, 0, index, out=part)
+    return out
 
 
 def scatter_blocks(kv_cache: list[torch.Tensor], block_ids: list[int],
