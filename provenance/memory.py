@@ -6,6 +6,7 @@ snapshot, a fixed template, and a receipt that records every chunk version so th
 be rebuilt later without running retrieval again.
 """
 
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any, Protocol
@@ -99,7 +100,7 @@ def retrieve(
     snapshot_epoch: int,
     top_k: int,
     vector: np.ndarray | None = None,
-    min_score: float = 0.0,
+    min_score: float = -math.inf,
 ) -> Retrieval:
     """Top-k chunks visible at the snapshot; ``vector`` is the query's embedding if already known."""
     if vector is None:
