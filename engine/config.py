@@ -20,7 +20,7 @@ class EngineConfig:
 
     # Scheduling (vLLM V1 style: one token budget per step, decodes first).
     max_num_seqs: int = 64  # running sequences at most
-    max_num_batched_tokens: int = 256  # token budget of one step (measured: see report)
+    max_num_batched_tokens: int = 192  # token budget of one step; measured, bench/interference.py
     enable_chunked_prefill: bool = True  # off: whole prompts, in prefill-only steps (V0 policy)
     long_prefill_token_threshold: int | None = None  # per-request prefill cap per step; None = budget
     max_model_len: int = 4096  # prompt + output tokens of one request

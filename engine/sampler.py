@@ -43,6 +43,8 @@ class Sampler:
         for r, i in enumerate(sampled_rows):
             g.manual_seed(row_seed(seeds[i], output_indices[i]))
             noise[r].exponential_(generator=g)
+        # A zero draw would turn p / 0 into inf (or 0 / 0 into NaN for a truncated token).
+        noise.clamp_(min=torch.finfo(noise.dtype).tiny)
         choice = probs.div_(noise).cpu().numpy().argmax(axis=1)
         for i, token in zip(sampled_rows, choice.tolist(), strict=True):
             tokens[i] = token

@@ -32,7 +32,7 @@ class Settings(BaseSettings):
     device: str = "cpu"
     engine_mode: Literal["colocated", "disaggregated"] = "colocated"
     max_num_seqs: int = Field(64, gt=0)
-    max_num_batched_tokens: int = Field(512, gt=0)
+    max_num_batched_tokens: int = Field(192, gt=0)
     enable_chunked_prefill: bool = True
     enable_prefix_caching: bool = True
     max_waiting_requests: int = Field(256, gt=0)
