@@ -26,6 +26,11 @@ class EngineConfig:
     max_model_len: int = 4096  # prompt + output tokens of one request
     max_waiting_requests: int = 1024  # beyond it add_request raises EngineOverloaded
 
+    # Bit-identical logits for a request whatever its companions, chunk boundaries or prefix-cache
+    # hits (fixed-order attention kernel, matmuls never on a shape-dependent path); costs
+    # some throughput, see engine/batch_invariant.py and bench/batch_invariance.py.
+    batch_invariant: bool = False
+
     seed: int = 0  # seeds requests that bring no seed of their own
 
     # "colocated": one process runs prefill and decode. "disaggregated": a prefill worker and a

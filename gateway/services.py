@@ -137,6 +137,7 @@ def engine_config(settings: Settings):
         max_num_batched_tokens=settings.max_num_batched_tokens,
         enable_chunked_prefill=settings.enable_chunked_prefill,
         enable_prefix_caching=settings.enable_prefix_caching,
+        batch_invariant=settings.batch_invariant,
         max_waiting_requests=settings.max_waiting_requests,
         mode=settings.engine_mode,  # "disaggregated": LLMEngine.from_config starts the workers
     )
@@ -174,5 +175,5 @@ def numerics(config) -> dict[str, Any]:
         "max_num_batched_tokens": config.max_num_batched_tokens,
         "enable_chunked_prefill": config.enable_chunked_prefill,
         "enable_prefix_caching": config.enable_prefix_caching,
-        "batch_invariant": getattr(config, "batch_invariant", False),
+        "batch_invariant": config.batch_invariant,
     }

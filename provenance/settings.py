@@ -35,6 +35,9 @@ class Settings(BaseSettings):
     max_num_batched_tokens: int = Field(192, gt=0)
     enable_chunked_prefill: bool = True
     enable_prefix_caching: bool = True
+    # Same request, same bits, whatever shares its batch (engine/batch_invariant.py); replay then
+    # claims bit-identical answers instead of token agreement.
+    batch_invariant: bool = False
     max_waiting_requests: int = Field(256, gt=0)
     kv_cache_tokens: int = Field(65536, gt=0)
 
