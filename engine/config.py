@@ -47,6 +47,13 @@ class EngineConfig:
     disagg_decode_kv_blocks: int | None = None
     disagg_start_timeout: float = 300.0  # seconds for the workers to load and join the group
     disagg_max_restarts: int = 3  # failed (re)starts in a row before the engine gives up
+    # A serving worker whose step loop shows no progress for this long is hung (SIGSTOP, a stuck
+    # forward or KV transfer): it is killed and both workers restarted, as after a death. Its
+    # loop marks progress at every step, every decoder layer of a forward and every second
+    # while idle, so this must exceed one decoder layer's forward over a whole step (a chunk
+    # of max_num_batched_tokens; a whole prompt with chunked prefill off) on a loaded core,
+    # and one KV transfer.
+    disagg_heartbeat_timeout: float = 10.0
     # "forkserver" forks workers from a process that imported torch once: a restart takes ~1 s
     # instead of the ~4-8 s of "spawn" (a fresh interpreter importing torch) on 2 cores.
     disagg_start_method: str = "spawn"
@@ -84,6 +91,7 @@ class EngineConfig:
         if self.num_threads is not None:
             positive["num_threads"] = self.num_threads
         positive["disagg_start_timeout"] = self.disagg_start_timeout
+        positive["disagg_heartbeat_timeout"] = self.disagg_heartbeat_timeout
         for name in ("disagg_prefill_kv_blocks", "disagg_decode_kv_blocks"):
             if getattr(self, name) is not None:
                 positive[name] = getattr(self, name)

@@ -20,6 +20,12 @@ context length) exactly as the front does with the same LLMEngine code; text, st
 the request's timeline are the front's. A worker reports each token with the time its step
 ended, on CLOCK_MONOTONIC, which every process of one host shares.
 
+Liveness: each worker writes a Heartbeat in shared memory that the front reads: its step loop
+stamps it at every turn (every `tick` seconds while idle) and at every decoder layer of a forward
+(the model iterates its KV cache layer by layer: `LayerBeats`), and its transfer threads mark when
+a transfer started. A frozen process or a forward or transfer that never returns stops the
+stamps, whatever its other threads still do.
+
 Messages are tuples, kind first. Front to worker: ("add", id, prompt ids, params, arrival),
 ("abort", id), ("release", id), ("send", id, tag), ("offer", id, token ids, num prompt tokens,
 params, first token time), ("inspect",), ("stop",). Worker to front: ("hello", info),
@@ -35,6 +41,7 @@ import queue
 import signal
 import threading
 import traceback
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -61,6 +68,43 @@ class WorkerSpec:
     addr: str
     port: int
     backend: str  # "gloo" | "nccl"
+
+
+class Heartbeat:
+    """A worker's signs of life, in shared memory (CLOCK_MONOTONIC seconds, like `now()`): when
+    its step loop last moved, and since when a KV transfer has been running (0: none). The
+    worker writes it, the front reads it from any thread; create it before starting the
+    process (with the process's multiprocessing context) and pass it as an argument."""
+
+    def __init__(self, ctx):
+        self._values = ctx.RawArray("d", 2)
+
+    def beat(self) -> None:
+        self._values[0] = now()
+
+    def transfer(self, busy: bool) -> None:
+        self._values[1] = now() if busy else 0.0
+
+    def silence(self) -> tuple[float, float]:
+        """Seconds since the loop last moved, and since the running transfer started (0 when
+        none)."""
+        at = now()
+        loop, transfer = self._values[0], self._values[1]
+        return at - loop, (at - transfer if transfer else 0.0)
+
+
+class LayerBeats(list):
+    """The KV cache as the model sees it: the forward iterates it once, layer by layer, and each
+    layer beats, so that a long step (a big prefill chunk) is not taken for a hung one."""
+
+    def __init__(self, layers, beat: Callable[[], None]):
+        super().__init__(layers)
+        self._beat = beat
+
+    def __iter__(self):
+        for layer in super().__iter__():
+            self._beat()
+            yield layer
 
 
 class TokenIds:
@@ -93,12 +137,12 @@ def blocks_for(num_tokens: int, block_size: int) -> int:
     return -(-num_tokens // block_size)
 
 
-def worker_main(spec: WorkerSpec, conn) -> None:
+def worker_main(spec: WorkerSpec, conn, heartbeat: Heartbeat) -> None:
     """Process entry point: load, join the transfer group, say hello, serve until stopped."""
     code = 0
     faulthandler.register(signal.SIGUSR1)  # `kill -USR1 <pid>`: every thread's stack to stderr
     try:
-        worker = Worker(spec, conn)
+        worker = Worker(spec, conn, heartbeat)
         worker.run()
     except BaseException:
         code = 1
@@ -109,13 +153,15 @@ def worker_main(spec: WorkerSpec, conn) -> None:
 
 
 class Worker:
-    def __init__(self, spec: WorkerSpec, conn):
+    def __init__(self, spec: WorkerSpec, conn, heartbeat: Heartbeat):
         from engine.loader import load_checkpoint
         from engine.model_runner import ModelRunner
 
         self.role = spec.role
         self.conn = conn
+        self.heartbeat = heartbeat
         config = spec.config
+        self.tick = min(1.0, config.disagg_heartbeat_timeout / 4)  # longest idle wait
         if spec.cpus:
             os.sched_setaffinity(0, spec.cpus)
         if config.num_threads:
@@ -125,9 +171,10 @@ class Worker:
         checkpoint = load_checkpoint(spec.model_path)
         runner = ModelRunner.from_checkpoint(checkpoint, config)
         del checkpoint.weights  # the model holds its own copies
+        self.kv_cache = runner.kv_cache  # the transfer threads' (their copies do not beat)
+        runner.kv_cache = LayerBeats(runner.kv_cache, heartbeat.beat)
         self.engine = LLMEngine(config, runner, TokenIds(checkpoint.tokenizer.eos_token_ids),
                                 model_id=checkpoint.model_id)
-        self.kv_cache = runner.kv_cache
         self.block_size = config.block_size
         self.inbox: queue.SimpleQueue = queue.SimpleQueue()
         self.seqs: dict[str, Sequence] = {}  # what the engine runs, to read timelines at the end
@@ -140,11 +187,13 @@ class Worker:
         rank = PREFILL_RANK if self.role == "prefill" else DECODE_RANK
         join_transfer_group(rank, spec.addr, spec.port, spec.backend, config.disagg_start_timeout)
         if self.role == "prefill":
-            self.sender = KVSender(self.kv_cache, spec.backend, self._sent, self._transfer_failed)
+            self.sender = KVSender(self.kv_cache, spec.backend, self._sent, self._transfer_failed,
+                                   heartbeat.transfer)
         else:
             self.receiver = KVReceiver(self.kv_cache, spec.backend, self._received,
-                                       self._transfer_failed)
+                                       self._transfer_failed, heartbeat.transfer)
         threading.Thread(target=self._listen, name="inherent-worker-listen", daemon=True).start()
+        heartbeat.beat()  # before the hello: the front watches the heartbeat from then on
         conn.send(("hello", {"pid": os.getpid(), "role": self.role,
                              "num_kv_blocks": runner.num_kv_blocks, "device": config.device,
                              "threads": torch.get_num_threads(),
@@ -269,11 +318,15 @@ class Worker:
         engine = self.engine
         stalled = False  # the last step had nothing to run (e.g. held hand-offs fill the cache)
         while not self.stopping:
+            self.heartbeat.beat()
             if self.role == "decode":  # before waiting: a finished request may make room
                 self._admit_offers()
             block = stalled or not engine.has_unfinished_requests()
-            for msg in self._messages(block):
+            messages = self._messages(block)
+            for msg in messages:
                 self._handle(msg)
+            if block and not messages:
+                continue  # a heartbeat tick: still nothing to do
             if self.stopping or not engine.has_unfinished_requests():
                 continue
             steps, prefill_steps = engine.num_steps, getattr(engine, "_num_prefill_steps", 0)
@@ -285,18 +338,16 @@ class Worker:
             clean = getattr(engine, "_num_prefill_steps", 0) == prefill_steps
             self._report(outputs, now() - start if clean else None)
 
-    def _messages(self, block: bool):
-        """What the inbox holds; with `block`, wait for at least one message."""
+    def _messages(self, block: bool) -> list[tuple]:
+        """What the inbox holds; with `block`, wait up to a heartbeat tick for a message."""
+        messages = []
         try:
-            msg = self.inbox.get() if block else self.inbox.get_nowait()
+            while True:
+                wait = block and not messages
+                messages.append(self.inbox.get(timeout=self.tick) if wait
+                                else self.inbox.get_nowait())
         except queue.Empty:
-            return
-        while True:
-            yield msg
-            try:
-                msg = self.inbox.get_nowait()
-            except queue.Empty:
-                return
+            return messages
 
     def _report(self, outputs: list[RequestOutput], clean_step: float | None) -> None:
         engine = self.engine

@@ -19,12 +19,18 @@ every layer while it prefills the next prompts -> scattered into the decode work
 decoded from the first token on. The transfer is a phase of the request's timeline
 (`kv_transfer_time`, and `kv_transfer` with start, end and bytes).
 
-Faults. The front watches both processes (their sentinels are in every wait). When one dies, the
-other is stopped too (its half of the process group is dead), the requests that already streamed
-tokens fail with WorkerFailure, the ones that did not are kept and re-run from the prompt, and
-both workers are started again on a fresh port: `is_healthy()` is false until they are back. A
-worker that cannot start `disagg_max_restarts + 1` times in a row leaves the engine dead: every
-request fails and new ones are refused.
+Faults. The front watches both processes (their sentinels are in every wait) and their
+heartbeats (engine/disagg_worker.py: the step loop stamps shared memory at every turn and every
+decoder layer; a KV transfer marks its start). A worker that died, or that made no progress or sat
+in one transfer for `disagg_heartbeat_timeout` seconds (SIGSTOP, a forward or a transfer that
+never returns), is a fault: both workers are killed (the survivor's half of the process group is
+dead), the requests that already streamed tokens fail with WorkerFailure, the ones that did not
+are kept and re-run from the prompt, and both workers are started again on a fresh port:
+`is_healthy()` is false from the moment of the fault until they are back (a fault while nothing
+steps the engine is acted on at the next request). A worker that cannot start
+`disagg_max_restarts + 1` times in a row leaves the engine dead: every request fails and new ones
+are refused. The front sends to each worker on a thread of its own, so that a frozen worker that
+stops reading its pipe cannot block the step loop.
 
 Clocks: workers report the times of their steps on CLOCK_MONOTONIC (Python's perf_counter), which
 all processes of one host share; workers on other hosts would need a clock offset, not done here.
@@ -34,7 +40,9 @@ import contextlib
 import dataclasses
 import logging
 import os
+import queue
 import socket
+import threading
 import time
 import weakref
 from multiprocessing import connection
@@ -44,7 +52,7 @@ import torch.multiprocessing as mp
 from prometheus_client import CollectorRegistry, Gauge, Histogram
 
 from engine.config import EngineConfig
-from engine.disagg_worker import WorkerSpec, worker_main
+from engine.disagg_worker import Heartbeat, WorkerSpec, worker_main
 from engine.kv_transfer import transfer_backend
 from engine.llm_engine import LLMEngine, RequestOutput
 from engine.metrics import PREFIX, REQUEST_BUCKETS
@@ -74,11 +82,40 @@ class _RemoteCache:
         raise RuntimeError("the disaggregated front runs no model")
 
 
+class _Outbox:
+    """Sends to one worker, in order, on a thread of its own: `conn.send` blocks once the
+    worker stops reading (a frozen process) and its pipe fills, and the step loop must not."""
+
+    def __init__(self, conn: connection.Connection, name: str):
+        self._conn = conn
+        self._messages: queue.SimpleQueue = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._thread.start()
+
+    def put(self, msg: tuple) -> None:
+        self._messages.put(msg)
+
+    def close(self, timeout: float) -> None:
+        """Send what is queued (within `timeout`: a worker just killed fails the send at once),
+        then stop."""
+        self._messages.put(None)
+        self._thread.join(timeout)
+
+    def _run(self) -> None:
+        while (msg := self._messages.get()) is not None:
+            try:
+                self._conn.send(msg)
+            except Exception:  # a dead worker (or a closed pipe): _supervise finds it
+                return
+
+
 @dataclasses.dataclass(slots=True)
 class _Worker:
     role: str
     process: mp.Process
     conn: connection.Connection
+    outbox: _Outbox
+    heartbeat: Heartbeat
     hello: dict | None = None
     fatal: str | None = None  # the traceback it sent before dying
     totals: dict = dataclasses.field(default_factory=dict)  # its last running totals
@@ -126,14 +163,14 @@ def _stop(workers: list[_Worker], graceful: bool = True) -> None:
     """Ask, then kill (at once when not `graceful`: after a fault the survivor's half of the
     process group is dead and its state is of no use)."""
     for w in workers:
-        with contextlib.suppress(OSError, ValueError):
-            w.conn.send(("stop",))
+        w.outbox.put(("stop",))
     deadline = time.monotonic() + (STOP_GRACE_S if graceful else 0.0)
     for w in workers:
         w.process.join(max(0.0, deadline - time.monotonic()))
         if w.process.is_alive():
-            w.process.kill()
+            w.process.kill()  # also a stopped (SIGSTOP) one
             w.process.join(STOP_GRACE_S)
+        w.outbox.close(STOP_GRACE_S)
         w.conn.close()
 
 
@@ -209,11 +246,13 @@ class DisaggregatedEngine(LLMEngine):
         self._workers = {}
         for role in ROLES:
             ours, theirs = ctx.Pipe()
-            process = ctx.Process(target=worker_main, args=(specs[role], theirs),
+            heartbeat = Heartbeat(ctx)
+            process = ctx.Process(target=worker_main, args=(specs[role], theirs, heartbeat),
                                   name=f"inherent-{role}", daemon=True)
             process.start()
             theirs.close()
-            self._workers[role] = _Worker(role, process, ours)
+            self._workers[role] = _Worker(role, process, ours,
+                                          _Outbox(ours, f"inherent-to-{role}"), heartbeat)
         self._finalizer.detach()
         self._finalizer = weakref.finalize(self, _stop, list(self._workers.values()))
         self._started_at = now()
@@ -225,9 +264,10 @@ class DisaggregatedEngine(LLMEngine):
         return bool(self._workers) and all(w.hello for w in self._workers.values())
 
     def is_healthy(self) -> bool:
-        """Both workers up, serving, and alive right now."""
+        """Both workers up, serving, alive and making progress right now (from any thread)."""
+        workers = list(self._workers.values())
         return (self._dead is None and self.ready
-                and all(w.process.is_alive() for w in self._workers.values()))
+                and all(w.process.is_alive() for w in workers) and self._hung(workers) is None)
 
     def wait_until_ready(self) -> None:
         """Block until both workers serve; raise WorkerFailure if they cannot start. Call from
@@ -345,8 +385,7 @@ class DisaggregatedEngine(LLMEngine):
             self._orphans.add(request_id)
 
     def _send(self, worker: _Worker, msg: tuple) -> None:
-        with contextlib.suppress(OSError, ValueError):  # a dead worker: _supervise finds it
-            worker.conn.send(msg)
+        worker.outbox.put(msg)
 
     # -- worker messages ------------------------------------------------------------------------
 
@@ -471,9 +510,10 @@ class DisaggregatedEngine(LLMEngine):
         """When a worker died or cannot start: restart both, and raise WorkerFailure for
         the requests that streamed tokens (`fail_all` retires them)."""
         dead = [w for w in self._workers.values() if not w.process.is_alive()]
+        hung = None if dead else self._hung(list(self._workers.values()))
         starting = not self.ready
         timed_out = starting and now() - self._started_at > self.config.disagg_start_timeout
-        if not dead and not timed_out:
+        if not dead and not hung and not timed_out:
             return
         if dead:
             w = dead[0]
@@ -482,6 +522,11 @@ class DisaggregatedEngine(LLMEngine):
                     f"(exit code {w.process.exitcode})")
             if w.fatal:
                 what += ": " + w.fatal.strip().splitlines()[-1]
+        elif hung:
+            w, silence = hung
+            what = (f"the {w.role} worker (pid {w.process.pid}) hung: {silence} (limit "
+                    f"disagg_heartbeat_timeout = {self.config.disagg_heartbeat_timeout:g} s); "
+                    f"killed")
         else:
             what = f"the workers did not start within {self.config.disagg_start_timeout:.0f} s"
         if starting:
@@ -504,6 +549,19 @@ class DisaggregatedEngine(LLMEngine):
                                   f"it and the engine is restarting its workers")
             self._fault = (failed, error)
             raise error
+
+    def _hung(self, workers: list[_Worker]) -> tuple[_Worker, str] | None:
+        """A serving worker whose heartbeat is older than the limit, and how long it has been
+        silent. A frozen loop goes first: a transfer also stalls when its peer is frozen."""
+        limit = self.config.disagg_heartbeat_timeout
+        silences = [(w, *w.heartbeat.silence()) for w in workers if w.hello is not None]
+        for w, loop, _ in silences:
+            if loop > limit:
+                return w, f"its step loop made no progress for {loop:.1f} s"
+        for w, _, transfer in silences:
+            if transfer > limit:
+                return w, f"a KV transfer has been running for {transfer:.1f} s"
+        return None
 
     def _restart(self) -> None:
         _stop(list(self._workers.values()), graceful=False)

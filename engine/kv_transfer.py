@@ -13,6 +13,8 @@ decode worker's. gloo's send/recv complete only inside ``wait()`` (``is_complete
 until then), so a blocking call on a thread is also the only way not to poll. Both sides also
 tag each message with the transfer's number: on gloo a mismatch then waits instead of writing one
 request's KV into another's blocks (NCCL ignores tags; the shared order is what matches there).
+A transfer thread reports when it starts and ends a job (`on_busy`): the engine's heartbeat
+check (engine/disaggregated.py) then also catches a transfer that never completes.
 """
 
 import queue
@@ -65,19 +67,23 @@ def scatter_blocks(kv_cache: list[torch.Tensor], block_ids: list[int],
 class _TransferThread:
     """Runs jobs one at a time, in submission order, on a daemon thread."""
 
-    def __init__(self, name: str, on_error: Callable[[str, BaseException], None]):
+    def __init__(self, name: str, on_error: Callable[[str, BaseException], None],
+                 on_busy: Callable[[bool], None]):
         self._jobs: queue.SimpleQueue = queue.SimpleQueue()
         self._on_error = on_error
+        self._on_busy = on_busy
         threading.Thread(target=self._run, name=name, daemon=True).start()
 
     def _run(self) -> None:
         while True:
             request_id, job = self._jobs.get()
+            self._on_busy(True)
             try:
                 job()
             except BaseException as error:  # the group is broken: the worker reports and exits
                 self._on_error(request_id, error)
                 return
+            self._on_busy(False)
 
 
 class KVSender(_TransferThread):
@@ -85,8 +91,9 @@ class KVSender(_TransferThread):
 
     def __init__(self, kv_cache: list[torch.Tensor], backend: str,
                  on_sent: Callable[[str], None],
-                 on_error: Callable[[str, BaseException], None]):
-        super().__init__("inherent-kv-sender", on_error)
+                 on_error: Callable[[str, BaseException], None],
+                 on_busy: Callable[[bool], None]):
+        super().__init__("inherent-kv-sender", on_error, on_busy)
         self.kv_cache = kv_cache
         self.on_host = backend == "gloo"
         self.on_sent = on_sent
@@ -109,8 +116,9 @@ class KVReceiver(_TransferThread):
 
     def __init__(self, kv_cache: list[torch.Tensor], backend: str,
                  on_received: Callable[[str, float, int], None],
-                 on_error: Callable[[str, BaseException], None]):
-        super().__init__("inherent-kv-receiver", on_error)
+                 on_error: Callable[[str, BaseException], None],
+                 on_busy: Callable[[bool], None]):
+        super().__init__("inherent-kv-receiver", on_error, on_busy)
         self.kv_cache = kv_cache
         self.device = torch.device("cpu") if backend == "gloo" else kv_cache[0].device
         self.on_received = on_received

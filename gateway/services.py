@@ -9,7 +9,7 @@ from prometheus_client import CollectorRegistry
 from sqlalchemy.orm import Session
 
 from provenance import memory
-from provenance.settings import Settings
+from provenance.settings import Settings, cpu_list
 from provenance.truth import current_epoch
 
 
@@ -140,6 +140,18 @@ def engine_config(settings: Settings):
         batch_invariant=settings.batch_invariant,
         max_waiting_requests=settings.max_waiting_requests,
         mode=settings.engine_mode,  # "disaggregated": LLMEngine.from_config starts the workers
+        disagg_addr=settings.disagg_addr,
+        disagg_port=settings.disagg_port,
+        disagg_prefill_cpus=cpu_list(settings.disagg_prefill_cpus),
+        disagg_decode_cpus=cpu_list(settings.disagg_decode_cpus),
+        disagg_prefill_device=settings.disagg_prefill_device or None,
+        disagg_decode_device=settings.disagg_decode_device or None,
+        disagg_prefill_kv_blocks=settings.disagg_prefill_kv_blocks,
+        disagg_decode_kv_blocks=settings.disagg_decode_kv_blocks,
+        disagg_start_timeout=settings.disagg_start_timeout,
+        disagg_max_restarts=settings.disagg_max_restarts,
+        disagg_heartbeat_timeout=settings.disagg_heartbeat_timeout,
+        disagg_start_method=settings.disagg_start_method,
     )
 
 

@@ -9,8 +9,23 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Literal
 
-from pydantic import Field
+from pydantic import Field, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
+
+
+def cpu_list(text: str) -> tuple[int, ...] | None:
+    """Cores written as the kernel writes them (`taskset -c`, /sys/.../cpulist): "2", "0-3",
+    "0,2,4-5"; None for an empty string."""
+    if not text.strip():
+        return None
+    cpus: list[int] = []
+    for part in text.split(","):
+        first, _, last = part.strip().partition("-")
+        last = last or first
+        if not (first.isdigit() and last.isdigit() and int(first) <= int(last)):
+            raise ValueError(f"not a CPU list (e.g. '0-3,6'): {text!r}")
+        cpus += range(int(first), int(last) + 1)
+    return tuple(cpus)
 
 
 class Settings(BaseSettings):
@@ -31,6 +46,25 @@ class Settings(BaseSettings):
     model_dtype: Literal["float32", "bfloat16"] = "float32"
     device: str = "cpu"
     engine_mode: Literal["colocated", "disaggregated"] = "colocated"
+    # Disaggregated mode (engine/disaggregated.py; the EngineConfig fields of the same names).
+    # Rendezvous of the workers' KV-transfer group; port 0 = a free port at every (re)start.
+    disagg_addr: str = "127.0.0.1"
+    disagg_port: int = Field(0, ge=0, lt=65536)
+    # Each worker's cores (CPU), as "0-3,6"; empty = the first half of ours for prefill, the
+    # rest for decode.
+    disagg_prefill_cpus: str = ""
+    disagg_decode_cpus: str = ""
+    # Each worker's device ("cuda:1"); empty = `device` (CUDA: GPU 0 prefill, GPU 1 decode).
+    disagg_prefill_device: str = ""
+    disagg_decode_device: str = ""
+    # KV blocks of each worker's cache; unset = sized as the colocated cache.
+    disagg_prefill_kv_blocks: int | None = Field(None, gt=0)
+    disagg_decode_kv_blocks: int | None = Field(None, gt=0)
+    disagg_start_timeout: float = Field(300.0, gt=0)  # seconds to load and join the group
+    disagg_max_restarts: int = Field(3, ge=0)  # failed (re)starts in a row before giving up
+    # Seconds without progress after which a serving worker counts as hung and is restarted.
+    disagg_heartbeat_timeout: float = Field(10.0, gt=0)
+    disagg_start_method: Literal["spawn", "forkserver"] = "spawn"
     max_num_seqs: int = Field(64, gt=0)
     max_num_batched_tokens: int = Field(192, gt=0)
     enable_chunked_prefill: bool = True
@@ -53,6 +87,12 @@ class Settings(BaseSettings):
 
     host: str = "127.0.0.1"
     port: int = 8000
+
+    @field_validator("disagg_prefill_cpus", "disagg_decode_cpus")
+    @classmethod
+    def _check_cpu_list(cls, value: str) -> str:
+        cpu_list(value)
+        return value
 
     @property
     def sqlalchemy_url(self) -> str:

@@ -15,12 +15,15 @@ import time
 import pytest
 import torch
 from engine_fixtures import CHAT_PROMPTS, chat, write_tiny_llama
+from pydantic import ValidationError
 
 from engine.async_engine import AsyncEngine
 from engine.config import EngineConfig
 from engine.disaggregated import DisaggregatedEngine, WorkerFailure
 from engine.llm_engine import LLMEngine
 from engine.sampling import SamplingParams
+from gateway.services import engine_config
+from provenance.settings import Settings
 
 # Decode cache: 40 blocks x 4 tokens. A request may need up to 80 tokens (20 blocks).
 # The tiny engines fork their workers from a server that imported torch once (restarts in ~1 s);
@@ -218,6 +221,102 @@ async def test_killing_the_decode_worker_fails_its_stream_and_the_engine_recover
         assert_blocks_freed(engine)
     finally:
         engine.close()
+
+
+def process_gone(pid: int) -> bool:
+    """No such process, or only its zombie."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] in ("Z", "X")
+    except FileNotFoundError:
+        return True
+
+
+async def test_a_frozen_worker_is_found_by_its_heartbeat_killed_and_restarted(
+        tiny_model, colocated):
+    """SIGSTOP the decode worker mid-stream: no exit to see, only silence. Its stream ends with
+    an error within the heartbeat timeout (plus slack), the frozen process is killed and the
+    engine serves again on new workers. A worker frozen while the engine is idle makes it
+    unhealthy at once; the next request brings it back."""
+    heartbeat_timeout = 2.0
+    engine = DisaggregatedEngine.from_config(EngineConfig(
+        model=tiny_model, mode="disaggregated",
+        **(TINY | {"max_model_len": 512, "disagg_prefill_kv_blocks": 160,
+                   "disagg_decode_kv_blocks": 160,
+                   "disagg_heartbeat_timeout": heartbeat_timeout})))
+    front = AsyncEngine(engine)
+    streaming, later = prompts(2, seed=6)
+    expected = colocated.generate([later], GREEDY)[0].token_ids
+
+    async def tokens(prompt) -> list[int]:
+        return [t async for out in front.generate(prompt, GREEDY) for t in out.token_ids]
+
+    try:
+        assert engine.is_healthy()
+        streamed, frozen, frozen_at = 0, None, None
+        with pytest.raises(WorkerFailure, match=r"decode worker .* hung: its step loop made "
+                                                r"no progress"):
+            long = SamplingParams(temperature=0, max_tokens=450, ignore_eos=True)
+            async with asyncio.timeout(30):
+                async for out in front.generate(streaming, long):
+                    streamed += len(out.token_ids)
+                    if streamed >= 3 and frozen is None:
+                        frozen = engine.worker_pids()["decode"]
+                        os.kill(frozen, signal.SIGSTOP)
+                        frozen_at = time.monotonic()
+        assert frozen_at is not None and time.monotonic() - frozen_at < heartbeat_timeout + 5
+        assert streamed < 450
+        assert not engine.is_healthy() and engine.num_restarts == 1
+        assert process_gone(frozen)
+        async with asyncio.timeout(60):
+            assert await tokens(later) == expected
+        assert engine.is_healthy() and engine.num_restarts == 1
+
+        frozen = engine.worker_pids()["prefill"]
+        os.kill(frozen, signal.SIGSTOP)
+        frozen_at = time.monotonic()
+        while engine.is_healthy() and time.monotonic() - frozen_at < heartbeat_timeout + 5:
+            await asyncio.sleep(0.05)
+        assert not engine.is_healthy()
+        async with asyncio.timeout(60):
+            assert await tokens(later) == expected
+        assert engine.is_healthy() and engine.num_restarts == 2
+        assert process_gone(frozen)
+    finally:
+        front.shutdown()
+    try:
+        assert_blocks_freed(engine)
+    finally:
+        engine.close()  # kills a worker a failed assertion left frozen
+
+
+def test_the_disagg_settings_reach_the_engine_config(monkeypatch):
+    env = {"ENGINE_MODE": "disaggregated", "DISAGG_ADDR": "10.0.0.7", "DISAGG_PORT": "29500",
+           "DISAGG_PREFILL_CPUS": "0-2,5", "DISAGG_DECODE_CPUS": "3", "DISAGG_DECODE_DEVICE":
+           "cuda:1", "DISAGG_PREFILL_KV_BLOCKS": "512", "DISAGG_DECODE_KV_BLOCKS": "1024",
+           "DISAGG_START_TIMEOUT": "60", "DISAGG_MAX_RESTARTS": "0",
+           "DISAGG_HEARTBEAT_TIMEOUT": "2.5", "DISAGG_START_METHOD": "forkserver"}
+    for name, value in env.items():
+        monkeypatch.setenv("INHERENT_" + name, value)
+    config = engine_config(Settings(_env_file=None))
+    assert (config.mode, config.disagg_addr, config.disagg_port) == (
+        "disaggregated", "10.0.0.7", 29500)
+    assert config.disagg_prefill_cpus == (0, 1, 2, 5) and config.disagg_decode_cpus == (3,)
+    assert config.disagg_prefill_device is None and config.disagg_decode_device == "cuda:1"
+    assert (config.disagg_prefill_kv_blocks, config.disagg_decode_kv_blocks) == (512, 1024)
+    assert (config.disagg_start_timeout, config.disagg_max_restarts,
+            config.disagg_heartbeat_timeout, config.disagg_start_method) == (
+        60.0, 0, 2.5, "forkserver")
+    for name, value in [("DISAGG_PREFILL_CPUS", "3-1"), ("DISAGG_PREFILL_CPUS", "a"),
+                        ("DISAGG_PORT", "65536"), ("DISAGG_DECODE_KV_BLOCKS", "0"),
+                        ("DISAGG_HEARTBEAT_TIMEOUT", "0"), ("DISAGG_MAX_RESTARTS", "-1"),
+                        ("DISAGG_START_METHOD", "fork")]:
+        with monkeypatch.context() as m:
+            m.setenv("INHERENT_" + name, value)
+            with pytest.raises(ValidationError, match=name.lower()):
+                Settings(_env_file=None)
+    with pytest.raises(ValueError, match="disagg_heartbeat_timeout"):
+        EngineConfig(disagg_heartbeat_timeout=0)
 
 
 @pytest.mark.slow
