@@ -5,20 +5,23 @@ A token's K and V sit side by side in its slot (``block * block_size + offset``)
 step's new K/V is one ``index_copy_`` of ``[T, 2 * kv_width]`` rows, and a block is one contiguous
 chunk (cheap to copy between workers).
 
-Reading goes through an :class:`AttentionPlan`, built once per forward and shared by every layer:
-for each chunk of sequences, the physical blocks to gather (whole blocks: one contiguous copy
-each) and the boolean mask "key position <= query position". Chunks:
+Reading goes through an :class:`AttentionPlan`, built once per forward and shared by every layer.
+Two kernels:
 
-* single-token rows (decodes), sorted by context length, up to ``DECODE_CHUNK_SEQS`` sequences
-  per SDPA call. Grouped-query attention costs no copy of K/V: the query heads sharing a KV head
-  become that head's query rows (``q.view(N, kv_heads, group, head_dim)``).
-* each multi-token prefill chunk on its own (a step holds few of them): it sees the sequence's
-  cached prefix and, causally, itself.
-
-Batch invariance: a decode row's result depends on its companions through the padded key length
-of its chunk (masked keys add exact zeros, but the kernel's blocking of the reduction can change
-with the length). A batch-invariant mode would attend each sequence alone, or pad to a fixed
-bucket.
+* the fixed-order kernel (engine/csrc/fixed_order_attention.cpp, CPU): reads the paged cache in
+  place, one query row at a time, in an order that depends on the row's position only. It takes
+  the decode rows (faster than gathering for SDPA: no copy, no padding) and, in batch-invariant
+  mode, every row -- that is what makes a token's output independent of its companions and of
+  its prompt's chunk boundaries.
+* torch SDPA (or xformers on CUDA) over gathered blocks, for prefill chunks (many queries share
+  each key: a matmul wins) and for decodes where the fixed-order kernel is unavailable. For each
+  chunk of sequences: the physical blocks to gather (whole blocks: one contiguous copy each) and
+  the boolean mask "key position <= query position". Decodes are sorted by context length, up to
+  ``DECODE_CHUNK_SEQS`` per call; each multi-token prefill chunk goes on its own and sees its
+  sequence's cached prefix and, causally, itself. Grouped-query attention costs no copy of K/V:
+  the query heads sharing a KV head become that head's query rows. Here a row's bits can depend
+  on its companions through the padded key length of its chunk (masked keys add exact zeros,
+  but the kernel's blocking of the reduction changes with the length).
 """
 
 from __future__ import annotations
@@ -34,6 +37,12 @@ from engine.forward_batch import ForwardBatch
 
 # attend(q [N, kv_heads, Mq, D], k [N, kv_heads, Mk, D], v, mask bool [N, 1, Mq, Mk]) -> [N, kv_heads, Mq, D]
 AttendFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+# fixed(q [R, heads * D], cache, block_tables [B, max] int32, row_seq [R] int32,
+#       positions [R] int64, scale) -> [R, heads * D]; see engine/fixed_order_attention.py
+FixedFn = Callable[..., torch.Tensor]
+
+# Which rows the fixed-order kernel attends.
+FIXED_NONE, FIXED_DECODES, FIXED_ALL = "none", "decodes", "all"
 
 
 def allocate_kv_cache(
@@ -114,11 +123,22 @@ class _Prefill:
 
 
 @dataclass(slots=True)
+class _FixedRows:
+    """Rows for the fixed-order kernel."""
+
+    rows: slice | torch.Tensor
+    seq: torch.Tensor  # [R] int32, each row's sequence (a row of block_tables)
+    positions: torch.Tensor  # [R] int64
+
+
+@dataclass(slots=True)
 class AttentionPlan:
-    decode_rows: slice | torch.Tensor | None  # query rows of all decodes, in chunk order
+    decode_rows: slice | torch.Tensor | None  # query rows of the SDPA decodes, in chunk order
     decode_chunks: list[_Chunk]
     prefills: list[_Prefill]
     num_tokens: int
+    fixed: _FixedRows | None
+    block_tables: torch.Tensor
 
 
 def _chunk(
@@ -139,22 +159,43 @@ def _chunk(
     return _Chunk(blocks, mask.unsqueeze(1), len(context_lens), keys)
 
 
-def build_plan(batch: ForwardBatch, block_size: int, group: int) -> AttentionPlan:
-    """Everything attention needs that is the same for every layer of this step."""
+def _rows(rows: list[int], device: torch.device) -> slice | torch.Tensor:
+    """A slice when the rows are contiguous (a view, no copy), else an index tensor."""
+    if rows == list(range(rows[0], rows[0] + len(rows))):
+        return slice(rows[0], rows[0] + len(rows))
+    return torch.tensor(rows, device=device)
+
+
+def build_plan(
+    batch: ForwardBatch, block_size: int, group: int, fixed: str = FIXED_NONE
+) -> AttentionPlan:
+    """Everything attention needs that is the same for every layer of this step. ``fixed``
+    names the rows the fixed-order kernel takes (FIXED_NONE, FIXED_DECODES or FIXED_ALL)."""
     device = batch.input_ids.device
     starts = batch.query_start.tolist()
     query_lens = [e - s for s, e in pairwise(starts)]
     context_lens = batch.context_lens.tolist()
+    if fixed == FIXED_ALL:
+        seq = torch.repeat_interleave(
+            torch.arange(len(query_lens), dtype=torch.int32, device=device),
+            torch.tensor(query_lens, device=device),
+        )
+        rows = _FixedRows(slice(0, starts[-1]), seq, batch.positions)
+        return AttentionPlan(None, [], [], starts[-1], rows, batch.block_tables)
+
     decodes = sorted((i for i, n in enumerate(query_lens) if n == 1), key=lambda i: context_lens[i])
+    fixed_rows = None
+    if decodes and fixed == FIXED_DECODES:
+        decodes.sort()  # no chunks to pad: keep batch order, often one contiguous slice
+        rows = _rows([starts[i] for i in decodes], device)
+        seq = torch.tensor(decodes, dtype=torch.int32, device=device)
+        fixed_rows = _FixedRows(rows, seq, batch.positions[rows])
+        decodes = []
 
     decode_rows = None
     decode_chunks = []
     if decodes:
-        rows = [starts[i] for i in decodes]
-        contiguous = rows == list(range(rows[0], rows[0] + len(rows)))
-        decode_rows = (
-            slice(rows[0], rows[0] + len(rows)) if contiguous else torch.tensor(rows, device=device)
-        )
+        decode_rows = _rows([starts[i] for i in decodes], device)
         positions = batch.positions[decode_rows].view(-1, 1)
         for first in range(0, len(decodes), DECODE_CHUNK_SEQS):
             seqs = decodes[first : first + DECODE_CHUNK_SEQS]
@@ -181,7 +222,9 @@ def build_plan(batch: ForwardBatch, block_size: int, group: int) -> AttentionPla
                 group,
             )
             prefills.append(_Prefill(rows, chunk, n))
-    return AttentionPlan(decode_rows, decode_chunks, prefills, batch.input_ids.shape[0])
+    return AttentionPlan(
+        decode_rows, decode_chunks, prefills, starts[-1], fixed_rows, batch.block_tables
+    )
 
 
 def _gather_kv(cache: torch.Tensor, chunk: _Chunk) -> tuple[torch.Tensor, torch.Tensor]:
@@ -198,17 +241,26 @@ def _gather_kv(cache: torch.Tensor, chunk: _Chunk) -> tuple[torch.Tensor, torch.
 
 
 def paged_attention(
-    q: torch.Tensor, cache: torch.Tensor, plan: AttentionPlan, attend: AttendFn
+    q: torch.Tensor,
+    cache: torch.Tensor,
+    plan: AttentionPlan,
+    attend: AttendFn,
+    fixed: FixedFn | None = None,
 ) -> torch.Tensor:
     """Attention of every query row over its sequence's cached keys.
 
     q: [T, heads * head_dim], RoPE applied. The step's own K/V must already be in ``cache``.
-    Returns [T, heads * head_dim].
+    ``fixed`` is the fixed-order kernel, needed when the plan gives it rows. Returns
+    [T, heads * head_dim].
     """
     num_kv_heads, head_dim = cache.shape[-2], cache.shape[-1]
     width = q.shape[1]
     group = width // head_dim // num_kv_heads
-    decoded = None
+    parts: list[tuple[slice | torch.Tensor, torch.Tensor]] = []  # (rows, their output)
+    if plan.fixed is not None:
+        f = plan.fixed
+        parts.append((f.rows, fixed(q[f.rows], cache, plan.block_tables, f.seq, f.positions,
+                                    head_dim**-0.5)))
     if plan.decode_chunks:
         q_dec = q[plan.decode_rows].view(-1, num_kv_heads, group, head_dim)
         outs, first = [], 0
@@ -216,14 +268,15 @@ def paged_attention(
             k, v = _gather_kv(cache, chunk)
             outs.append(attend(q_dec[first : first + chunk.num_seqs], k, v, chunk.mask))
             first += chunk.num_seqs
-        decoded = (torch.cat(outs) if len(outs) > 1 else outs[0]).view(-1, width)
-        rows = plan.decode_rows
-        if not plan.prefills and isinstance(rows, slice) and rows == slice(0, plan.num_tokens):
-            return decoded  # a pure decode step in row order: nothing to scatter
+        parts.append((plan.decode_rows, torch.cat(outs).view(-1, width)))
+    if len(parts) == 1 and not plan.prefills:
+        rows, out = parts[0]
+        if isinstance(rows, slice) and rows == slice(0, plan.num_tokens):
+            return out  # every row, in row order: nothing to scatter
 
     out = q.new_empty(plan.num_tokens, width)
-    if decoded is not None:
-        out[plan.decode_rows] = decoded
+    for rows, part in parts:
+        out[rows] = part
     for p in plan.prefills:
         n = p.query_len
         k, v = _gather_kv(cache, p.chunk)

@@ -74,6 +74,12 @@ class EngineConfig:
         if self.disagg_start_method not in ("spawn", "forkserver"):
             raise ValueError(f"EngineConfig.disagg_start_method must be 'spawn' or "
                              f"'forkserver', got {self.disagg_start_method!r}")
+        if self.batch_invariant and (
+            self.dtype != "float32" or (self.kv_cache_dtype or "float32") != "float32"
+            or not self.device.startswith("cpu")
+        ):
+            raise ValueError("EngineConfig.batch_invariant needs dtype and kv_cache_dtype "
+                             "float32 on the CPU")
         if self.disagg_max_restarts < 0:
             raise ValueError("EngineConfig.disagg_max_restarts must be >= 0")
         positive = {

@@ -26,9 +26,9 @@ bf16 (AVX512-BF16/AMX); on CPUs without it bf16 is far slower (see bench/model_s
 head stay in float32 either way. The KV cache may have its own dtype (e.g. bf16 beside fp32
 weights); attention then runs in that dtype.
 
-Batch invariance: one token's logits do not depend on its companions in the matmuls (oneDNN's
-fp32 kernels gave bit-identical rows at 1 and 64 tokens) but do in attention (see
-engine/attention.py) and in the choice of bf16 matmuls by step size.
+Batch invariance: by default a token's logits can depend on its companions (oneDNN reduces one
+row differently from several, SDPA's blocking follows the padded key length, bf16 is chosen by
+step size). ``batch_invariant=True`` removes each of these: see engine/batch_invariant.py.
 """
 
 from __future__ import annotations
@@ -42,8 +42,21 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from engine import fixed_order_attention
+from engine.attention import (
+    FIXED_ALL,
+    FIXED_DECODES,
+    FIXED_NONE,
+    build_plan,
+    paged_attention,
+    select_attend,
+)
 from engine.attention import allocate_kv_cache as _allocate
-from engine.attention import build_plan, paged_attention, select_attend
+from engine.batch_invariant import (
+    BatchInvarianceUnsupported,
+    check_rms_norm,
+    make_linears_invariant,
+)
 from engine.forward_batch import ForwardBatch
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral")
@@ -211,11 +224,15 @@ class _Linear:
     (GPU, builds without oneDNN, bf16 without AVX512), F.linear on the dense weight.
     """
 
-    __slots__ = ("dtype", "out_features", "packed", "weight")
+    __slots__ = ("dtype", "in_features", "min_rows", "out_features", "packed", "row_tile", "weight")
 
     def __init__(self, weight: torch.Tensor):
         self.dtype = weight.dtype
-        self.out_features = weight.shape[0]
+        self.out_features, self.in_features = weight.shape
+        # Batch-invariant mode (engine/batch_invariant.py): pad to at least `min_rows` rows, or
+        # run fixed tiles of `row_tile` rows.
+        self.min_rows = 0
+        self.row_tile: int | None = None
         self.weight: torch.Tensor | None = weight.contiguous()
         self.packed: torch.Tensor | None = None
         if weight.device.type == "cpu" and torch.backends.mkldnn.is_available():
@@ -228,6 +245,16 @@ class _Linear:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         x = x.to(self.dtype)
+        rows = x.shape[0]
+        if self.row_tile is not None:
+            tiles = -(-rows // self.row_tile)
+            padded = F.pad(x, (0, 0, 0, tiles * self.row_tile - rows))
+            return torch.cat([self._matmul(t) for t in padded.split(self.row_tile)])[:rows]
+        if rows < self.min_rows:
+            return self._matmul(F.pad(x, (0, 0, 0, self.min_rows - rows)))[:rows]
+        return self._matmul(x)
+
+    def _matmul(self, x: torch.Tensor) -> torch.Tensor:
         if self.packed is not None:
             return torch.ops.mkldnn._linear_pointwise(x, self.packed, None, "none", [], "")
         return F.linear(x, self.weight)
@@ -256,6 +283,7 @@ class LlamaModel:
         dtype: torch.dtype = torch.float32,
         device: torch.device | str = "cpu",
         bf16_min_tokens: int | None = None,
+        batch_invariant: bool = False,
     ):
         """``weights`` uses Hugging Face Llama names (as :mod:`engine.loader` returns them)."""
         if dtype not in (torch.float32, torch.bfloat16):
@@ -263,8 +291,22 @@ class LlamaModel:
         self.config = config
         self.dtype = dtype
         self.device = torch.device(device)
+        self.batch_invariant = batch_invariant
+        if batch_invariant:
+            if self.device.type != "cpu" or dtype != torch.float32:
+                raise BatchInvarianceUnsupported(
+                    "batch_invariant runs on CPU in float32 only (device "
+                    f"{self.device.type}, dtype {dtype})")
+            bf16_min_tokens = None  # the switch follows the step's size
         self.bf16_min_tokens = bf16_min_tokens if dtype == torch.float32 else None
         self.attention_backend, self._attend = select_attend(self.device)
+        # The fixed-order kernel takes the decodes (faster than SDPA there) and, in batch-
+        # invariant mode, every row.
+        self._fixed = None
+        if self.device.type == "cpu" and fixed_order_attention.available():
+            self._fixed = fixed_order_attention.paged_attention
+        elif batch_invariant:
+            fixed_order_attention.ensure_built()  # raises with the compiler's reason
         if self.device.type == "cpu":
             keep_freed_memory()
 
@@ -306,6 +348,14 @@ class LlamaModel:
         # [positions, 1, head_dim / 2] complex: broadcasts over the heads of q and k
         self.rope = torch.polar(torch.ones_like(angles), angles).unsqueeze(1)
 
+        self.linear_paths: dict[tuple[int, int], str] = {}
+        if batch_invariant:
+            check_rms_norm(c.hidden_size, c.rms_norm_eps, dtype)
+            linears = [self.lm_head]
+            for layer in self.layers:
+                linears += [layer.qkv, layer.o, layer.gate_up, layer.down]
+            self.linear_paths = make_linears_invariant(linears)
+
     def allocate_kv_cache(
         self, num_blocks: int, block_size: int, dtype: torch.dtype | None = None
     ) -> list[torch.Tensor]:
@@ -326,7 +376,15 @@ class LlamaModel:
         hidden = (c.hidden_size,)
         inter = c.intermediate_size
         block_size = kv_cache[0].shape[1]
-        plan = build_plan(batch, block_size, c.num_heads // c.num_kv_heads)
+        if self.batch_invariant:
+            if kv_cache[0].dtype != torch.float32:
+                raise BatchInvarianceUnsupported("batch_invariant needs a float32 KV cache")
+            fixed = FIXED_ALL
+        elif self._fixed is not None and kv_cache[0].dtype == torch.float32:
+            fixed = FIXED_DECODES
+        else:
+            fixed = FIXED_NONE
+        plan = build_plan(batch, block_size, c.num_heads // c.num_kv_heads, fixed)
         rope = self.rope[batch.positions]
         slots = batch.slot_mapping
         use16 = self.bf16_min_tokens is not None and num_tokens >= self.bf16_min_tokens
@@ -346,7 +404,9 @@ class LlamaModel:
                 qk.copy_(torch.view_as_real(torch.view_as_complex(qk.float()) * rope))
             flat_cache = cache.view(cache.shape[0] * block_size, -1)
             flat_cache.index_copy_(0, slots, qkv[:, q_width:].to(cache.dtype))
-            attn = paged_attention(qkv[:, :q_width].to(cache.dtype), cache, plan, self._attend)
+            attn = paged_attention(
+                qkv[:, :q_width].to(cache.dtype), cache, plan, self._attend, self._fixed
+            )
             x.add_(o_proj(attn))
 
             h = F.rms_norm(x, hidden, layer.post_norm, c.rms_norm_eps)

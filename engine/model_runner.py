@@ -5,6 +5,7 @@ per-step overhead is paid by every request in the batch.
 """
 
 import dataclasses
+from collections.abc import Callable
 
 import torch
 
@@ -81,6 +82,9 @@ class ModelRunner:
         self.device = torch.device(device)
         self.vocab_size = vocab_size
         self.sampler = Sampler()
+        # Called with the sampling sequences and their logits at every step (tests and benches
+        # that compare logits bit for bit); None in serving.
+        self.logits_hook: Callable[[list[Sequence], torch.Tensor], None] | None = None
 
     @classmethod
     def from_checkpoint(cls, checkpoint, config: EngineConfig) -> "ModelRunner":
@@ -93,7 +97,8 @@ class ModelRunner:
         if config.max_model_len > limit:
             raise ValueError(f"max_model_len={config.max_model_len} exceeds the model's {limit}")
         model = LlamaModel(checkpoint.config, checkpoint.weights, dtype=dtype,
-                           device=config.device, bf16_min_tokens=default_bf16_min_tokens())
+                           device=config.device, bf16_min_tokens=default_bf16_min_tokens(),
+                           batch_invariant=config.batch_invariant)
         num_blocks = config.num_kv_blocks or config.kv_cache_bytes // kv_cache_bytes_per_block(
             checkpoint.config, config.block_size, kv_dtype)
         kv_cache = model.allocate_kv_cache(num_blocks, config.block_size, kv_dtype)
@@ -113,6 +118,8 @@ class ModelRunner:
         logits = self.model.forward(forward_batch, self.kv_cache)
         if not sampling:
             return []
+        if self.logits_hook is not None:
+            self.logits_hook(sampling, logits)
         return self.sampler(
             logits,
             [s.params for s in sampling],

@@ -1,0 +1,69 @@
+"""Batch-invariant mode: a request's logits do not depend on what else shares its steps.
+
+Under continuous batching a request's companions, its place in the batch and its prefill chunk
+boundaries change from run to run. Kernels whose reduction order follows the batch shape then
+change the bits of its logits, and a near-tie in greedy decoding flips a token. In this mode
+every op that reduces over something gets an order fixed by the token alone:
+
+* attention: the fixed-order kernel for every row (engine/csrc/fixed_order_attention.cpp),
+  prefill and decode alike, reading the paged cache in place;
+* linear layers: oneDNN runs a matrix-vector kernel for one row and a matrix-matrix kernel for
+  more, with different reduction orders; from two rows up its kernels are row-invariant for the
+  shapes we probe. So a linear never sees fewer than two rows (a lone row gets a zero companion),
+  and :func:`make_linears_invariant` proves the property for each weight shape at start-up over
+  row counts from 2 to 257 -- where it fails (another backend, another CPU), that shape falls
+  back to fixed tiles of ``ROW_TILE`` rows, invariant by construction;
+* RMSNorm is row-local in torch (one row's reduction never splits across threads at these
+  widths); the start-up probe checks it too and refuses the mode where it is not;
+* no bf16 switch by step size; sampling is per row already (engine/sampler.py).
+
+The price is measured by bench/batch_invariance.py.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+import torch.nn.functional as F
+
+PROBE_ROWS = (2, 3, 7, 16, 33, 64, 65, 192, 257)
+ROW_TILE = 64  # rows per matmul call in the tile fallback
+
+
+class BatchInvarianceUnsupported(RuntimeError):
+    """This build cannot give batch-invariant results."""
+
+
+def _probe(fn, width: int, dtype: torch.dtype) -> bool:
+    """Whether ``fn``'s rows come out bit-identical for every probed row count."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(max(PROBE_ROWS), width, generator=g).to(dtype)
+    full = fn(x)
+    return all(torch.equal(fn(x[:m]), full[:m]) for m in PROBE_ROWS)
+
+
+def make_linears_invariant(linears: Iterable) -> dict[tuple[int, int], str]:
+    """Put every linear on a row-invariant path; returns the path chosen per weight shape,
+    ``"rows"`` (at least two rows, probed) or ``"tiles"`` (fixed tiles)."""
+    chosen: dict[tuple[int, int], str] = {}
+    for linear in linears:
+        shape = (linear.out_features, linear.in_features)
+        if shape not in chosen:
+            linear.min_rows, linear.row_tile = 2, None
+            ok = _probe(linear, linear.in_features, linear.dtype)
+            chosen[shape] = "rows" if ok else "tiles"
+        if chosen[shape] == "rows":
+            linear.min_rows, linear.row_tile = 2, None
+        else:
+            linear.min_rows, linear.row_tile = 0, ROW_TILE
+    return chosen
+
+
+def check_rms_norm(width: int, eps: float, dtype: torch.dtype) -> None:
+    weight = torch.ones(width, dtype=dtype)
+    if not _probe(lambda x: F.rms_norm(x, (width,), weight, eps), width, dtype):
+        raise BatchInvarianceUnsupported(
+            "RMSNorm rows depend on the row count in this torch build; batch_invariant is "
+            "not available here"
+        )

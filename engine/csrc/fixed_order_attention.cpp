@@ -1,0 +1,132 @@
+// Paged attention whose every output row is computed the same way, whatever else is in the batch.
+//
+// One work item is one query token: scores, softmax and the weighted sum of V for each of its
+// heads, in loops whose shape depends on the token's position and nothing else. No reduction is split or blocked by batch size, query count or context length,
+// so a token's output bits depend only on its own query and its sequence's cached K/V -- not on
+// its companions, its place in the batch, or how its prompt was chunked. Threads split the work
+// items, never a reduction.
+//
+// Built by engine/fixed_order_attention.py with -ffp-contract=off: without it the compiler may
+// fuse a*b+c into an FMA in one inlined copy of a loop and not in another.
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cmath>
+#include <vector>
+
+namespace {
+
+constexpr int kLanes = 8;  // one AVX2 register of floats: the dot product's fixed lane split
+
+template <int64_t D>
+inline float dot(const float* a, const float* b) {
+  float lane[kLanes] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+  for (int64_t d = 0; d < D; d += kLanes)
+    for (int l = 0; l < kLanes; ++l) lane[l] += a[d + l] * b[d + l];
+  return ((lane[0] + lane[4]) + (lane[1] + lane[5])) + ((lane[2] + lane[6]) + (lane[3] + lane[7]));
+}
+
+struct Layout {
+  const float* kv;
+  int64_t block_size, slot_stride, v_offset, kv_heads, max_blocks;
+  const int32_t* tables;
+};
+
+// Attention of one query token, all heads, over its keys 0..position, in three passes (scores,
+// softmax, weighted sum of V) whose loops depend only on the position. Heads are the inner loop
+// so each key slot (K, then V, of every KV head) is read front to back once per pass.
+template <int64_t D>
+void attend(const Layout& L, const float* q, float* out, const int32_t* table, int64_t position,
+            int64_t group, float scale, std::vector<float>& buf) {
+  const int64_t n = position + 1, heads = L.kv_heads * group;
+  buf.resize(heads * (n + D));
+  float* scores = buf.data();  // [heads][n]
+  float* acc = scores + heads * n;  // [heads][D]
+  // Keys are visited block by block: a division per key would cost more than its dot product.
+  auto for_each_key = [&](auto&& visit) {
+    for (int64_t first = 0, b = 0; first < n; first += L.block_size, ++b) {
+      const float* slot = L.kv + (int64_t)table[b] * L.block_size * L.slot_stride;
+      const int64_t last = std::min(n, first + L.block_size);
+      for (int64_t j = first; j < last; ++j, slot += L.slot_stride) visit(j, slot);
+    }
+  };
+  for_each_key([&](int64_t j, const float* k) {
+    for (int64_t h = 0; h < heads; ++h) scores[h * n + j] = dot<D>(q + h * D, k + h / group * D) * scale;
+  });
+  for (int64_t h = 0; h < heads; ++h) {
+    float* s = scores + h * n;
+    float top = s[0];
+    for (int64_t j = 1; j < n; ++j) top = std::max(top, s[j]);
+    float total = 0.f;
+    for (int64_t j = 0; j < n; ++j) {
+      s[j] = std::exp(s[j] - top);
+      total += s[j];
+    }
+    const float inv = 1.f / total;
+    for (int64_t j = 0; j < n; ++j) s[j] *= inv;
+  }
+  std::fill(acc, acc + heads * D, 0.f);
+  for_each_key([&](int64_t j, const float* k) {
+    const float* v = k + L.v_offset;
+    for (int64_t h = 0; h < heads; ++h) {
+      const float w = scores[h * n + j];
+      const float* vh = v + h / group * D;
+      float* a = acc + h * D;
+      for (int64_t d = 0; d < D; ++d) a[d] += w * vh[d];
+    }
+  });
+  std::copy(acc, acc + heads * D, out);
+}
+
+}  // namespace
+
+// q: [T, num_heads * head_dim] float32, rows may be strided; cache: [blocks, block_size, 2,
+// kv_heads, head_dim] float32 contiguous; block_tables: [B, max_blocks] int32; token_seq: [T]
+// int32, each query row's sequence; positions: [T] int64, each row attends keys 0..position.
+// Returns [T, num_heads * head_dim].
+torch::Tensor paged_attention(torch::Tensor q, torch::Tensor cache, torch::Tensor block_tables,
+                              torch::Tensor token_seq, torch::Tensor positions, double scale) {
+  TORCH_CHECK(q.scalar_type() == torch::kFloat32 && cache.scalar_type() == torch::kFloat32,
+              "fixed-order attention runs in float32");
+  TORCH_CHECK(q.dim() == 2 && q.stride(1) == 1, "q must be [T, heads * head_dim], rows contiguous");
+  TORCH_CHECK(cache.dim() == 5 && cache.is_contiguous(), "cache must be a contiguous 5-D tensor");
+  TORCH_CHECK(block_tables.scalar_type() == torch::kInt32 && block_tables.is_contiguous());
+  TORCH_CHECK(token_seq.scalar_type() == torch::kInt32 && token_seq.is_contiguous());
+  TORCH_CHECK(positions.scalar_type() == torch::kInt64 && positions.is_contiguous());
+  TORCH_CHECK(q.device().is_cpu() && cache.device().is_cpu(), "fixed-order attention runs on CPU");
+  const int64_t num_tokens = q.size(0), head_dim = cache.size(4);
+  TORCH_CHECK(head_dim == 64 || head_dim == 128, "head_dim must be 64 or 128");
+  Layout L{cache.data_ptr<float>(), cache.size(1), 2 * cache.size(3) * head_dim,
+           cache.size(3) * head_dim, cache.size(3), block_tables.size(1),
+           block_tables.data_ptr<int32_t>()};
+  const int64_t heads = q.size(1) / head_dim;
+  TORCH_CHECK(heads * head_dim == q.size(1) && heads % L.kv_heads == 0, "bad head layout");
+  const int64_t group = heads / L.kv_heads;
+
+  auto out = torch::empty({num_tokens, heads * head_dim}, q.options());
+  const float* q_data = q.data_ptr<float>();
+  const int64_t q_stride = q.stride(0);
+  const int32_t* seq_of = token_seq.data_ptr<int32_t>();
+  const int64_t* pos_of = positions.data_ptr<int64_t>();
+  float* out_data = out.data_ptr<float>();
+  const float fscale = static_cast<float>(scale);
+
+  at::parallel_for(0, num_tokens, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> buf;
+    for (int64_t t = begin; t < end; ++t) {
+      const float* qt = q_data + t * q_stride;
+      float* o = out_data + t * heads * head_dim;
+      const int32_t* table = L.tables + seq_of[t] * L.max_blocks;
+      if (head_dim == 64)
+        attend<64>(L, qt, o, table, pos_of[t], group, fscale, buf);
+      else
+        attend<128>(L, qt, o, table, pos_of[t], group, fscale, buf);
+    }
+  });
+  return out;
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("paged_attention", &paged_attention, "fixed-order paged attention (float32, CPU)");
+}
