@@ -15,7 +15,9 @@ every op that reduces over something gets an order fixed by the token alone:
   back to fixed tiles of ``ROW_TILE`` rows, invariant by construction;
 * RMSNorm is row-local in torch (one row's reduction never splits across threads at these
   widths); the start-up probe checks it too and refuses the mode where it is not;
-* no bf16 switch by step size; sampling is per row already (engine/sampler.py).
+* no switch of matmul precision by step size: where the CPU has native bf16 and the default
+  would run steps of 64+ tokens in bf16, this mode runs every step in bf16 (else every step in
+  float32); sampling is per row already (engine/sampler.py).
 
 The price is measured by bench/batch_invariance.py.
 """
@@ -43,12 +45,12 @@ def _probe(fn, width: int, dtype: torch.dtype) -> bool:
     return all(torch.equal(fn(x[:m]), full[:m]) for m in PROBE_ROWS)
 
 
-def make_linears_invariant(linears: Iterable) -> dict[tuple[int, int], str]:
-    """Put every linear on a row-invariant path; returns the path chosen per weight shape,
-    ``"rows"`` (at least two rows, probed) or ``"tiles"`` (fixed tiles)."""
-    chosen: dict[tuple[int, int], str] = {}
+def make_linears_invariant(linears: Iterable) -> dict[tuple, str]:
+    """Put every linear on a row-invariant path; returns the path chosen per weight shape and
+    dtype, ``"rows"`` (at least two rows, probed) or ``"tiles"`` (fixed tiles)."""
+    chosen: dict[tuple, str] = {}
     for linear in linears:
-        shape = (linear.out_features, linear.in_features)
+        shape = (linear.out_features, linear.in_features, str(linear.dtype).removeprefix("torch."))
         if shape not in chosen:
             linear.min_rows, linear.row_tile = 2, None
             ok = _probe(linear, linear.in_features, linear.dtype)

@@ -297,7 +297,9 @@ class LlamaModel:
                 raise BatchInvarianceUnsupported(
                     "batch_invariant runs on CPU in float32 only (device "
                     f"{self.device.type}, dtype {dtype})")
-            bf16_min_tokens = None  # the switch follows the step's size
+            # The switch to bf16 matmuls follows the step's size: here it is all or nothing.
+            if bf16_min_tokens is not None:
+                bf16_min_tokens = 1
         self.bf16_min_tokens = bf16_min_tokens if dtype == torch.float32 else None
         self.attention_backend, self._attend = select_attend(self.device)
         # The fixed-order kernel takes the decodes (faster than SDPA there) and, in batch-
@@ -353,7 +355,7 @@ class LlamaModel:
             check_rms_norm(c.hidden_size, c.rms_norm_eps, dtype)
             linears = [self.lm_head]
             for layer in self.layers:
-                linears += [layer.qkv, layer.o, layer.gate_up, layer.down]
+                linears += layer.bf16 or (layer.qkv, layer.o, layer.gate_up, layer.down)
             self.linear_paths = make_linears_invariant(linears)
 
     def allocate_kv_cache(

@@ -251,9 +251,9 @@ def print_replay(result: dict) -> None:
         console.print(f"  [red]{problem}[/]")
     if result["verdict"] is not None:
         where = (
-            ""
-            if result["verdict"] == "identical"
-            else f" at token {result['first_divergent_token']}"
+            f" at token {result['first_divergent_token']}"
+            if result["verdict"] == "diverged"
+            else " (bit for bit: batch-invariant receipt)" if result["bitwise_claim"] else ""
         )
         console.print(
             f"verdict: [bold]{result['verdict']}[/]{where} (token agreement {result['token_agreement']:.0%})"

@@ -33,12 +33,14 @@ UPDATED_PLANS = (
 
 
 def demo_settings(base: Settings) -> Settings:
-    """A private embedded data dir under the configured one, fresh for every run."""
+    """A private embedded data dir under the configured one, fresh for every run; the engine in
+    batch-invariant mode, so that replay can claim bit-identical answers."""
     data_dir = base.data_dir / "demo"
     shutil.rmtree(data_dir, ignore_errors=True)
     data_dir.mkdir(parents=True)
     return base.model_copy(
-        update={"data_dir": data_dir, "database_url": "", "qdrant_url": "", "redis_url": ""}
+        update={"data_dir": data_dir, "database_url": "", "qdrant_url": "", "redis_url": "",
+                "batch_invariant": True}
     )
 
 

@@ -1,7 +1,12 @@
 """Replay for incident review: the receipt's pinned context, model and sampling, run again.
 
-The verdict compares output token ids; the drift report says what retrieval would show now and
-what happened to every cited source since (changed, with a text diff; deprecated; deleted).
+The verdict compares output token ids. It says ``identical`` -- a bit-for-bit claim -- only when
+the receipt was produced in batch-invariant mode and this server runs the same numerics (every
+engine setting the receipt records): then the answer cannot have depended on what shared its
+batch. Otherwise equal tokens read ``tokens_match``: the same answer, with no claim that the
+logits' bits agree. Either way ``token_agreement`` gives the fraction of positions that agree.
+The drift report says what retrieval would show now and what happened to every cited source since
+(changed, with a text diff; deprecated; deleted).
 """
 
 import difflib
@@ -36,13 +41,14 @@ class ReplayPlan:
 @dataclass(slots=True)
 class ReplayResult:
     receipt_id: str
-    verdict: str | None  # identical | diverged | None when the context could not be verified
+    # identical | tokens_match | diverged; None when the context could not be verified
+    verdict: str | None
     first_divergent_token: int | None
     original_output_hash: str
     replayed_output_hash: str | None
     context_verified: bool
     problems: list[str]
-    bitwise_claim: bool  # True only for receipts produced in batch-invariant mode
+    bitwise_claim: bool  # batch-invariant receipt, replayed with the same numerics
     token_agreement: float | None
     replayed_output: str | None
     drift: dict[str, Any] = field(default_factory=dict)
@@ -80,7 +86,25 @@ def plan_replay(services: Services, session: Session, receipt: Receipt) -> Repla
     )
 
 
-def verdict(original: list[int], replayed: list[int]) -> tuple[str, int | None, float]:
+def bitwise_claim(services: Services, receipt: Receipt) -> tuple[bool, str | None]:
+    """Whether a replay of ``receipt`` here may claim bit-identical output, and if a batch-
+    invariant receipt cannot get that claim, why."""
+    recorded = receipt.body["inherent.engine"]
+    if not recorded.get("batch_invariant"):
+        return False, None
+    differs = sorted(k for k in recorded.keys() | services.engine_numerics.keys()
+                     if recorded.get(k) != services.engine_numerics.get(k))
+    if differs:
+        return False, (
+            "the receipt was produced in batch-invariant mode, but this server runs other "
+            f"numerics ({', '.join(differs)}): only token agreement is reported"
+        )
+    return True, None
+
+
+def verdict(
+    original: list[int], replayed: list[int], bitwise: bool
+) -> tuple[str, int | None, float]:
     first = next(
         (i for i, (a, b) in enumerate(zip(original, replayed, strict=False)) if a != b), None
     )
@@ -89,18 +113,21 @@ def verdict(original: list[int], replayed: list[int]) -> tuple[str, int | None, 
     agreement = sum(a == b for a, b in zip(original, replayed, strict=False)) / max(
         len(original), len(replayed), 1
     )
-    return ("identical" if first is None else "diverged"), first, agreement
+    if first is not None:
+        return "diverged", first, agreement
+    return ("identical" if bitwise else "tokens_match"), None, agreement
 
 
 async def replay(services: Services, plan: ReplayPlan) -> ReplayResult:
     body = plan.receipt.body
     original_ids = body["inherent.output.token_ids"]
+    bitwise, why_not = bitwise_claim(services, plan.receipt)
     base = dict(
         receipt_id=plan.receipt.id,
         original_output_hash=body["inherent.output.hash"],
         context_verified=plan.context_verified,
-        problems=plan.problems,
-        bitwise_claim=bool(body["inherent.engine"].get("batch_invariant")),
+        problems=plan.problems + ([why_not] if why_not else []),
+        bitwise_claim=bitwise,
         drift=plan.drift,
     )
     if not plan.context_verified:
@@ -118,7 +145,7 @@ async def replay(services: Services, plan: ReplayPlan) -> ReplayResult:
     ):
         text += out.text
         ids.extend(out.token_ids)
-    outcome, first, agreement = verdict(original_ids, ids)
+    outcome, first, agreement = verdict(original_ids, ids, bitwise)
     return ReplayResult(
         verdict=outcome,
         first_divergent_token=first,

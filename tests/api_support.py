@@ -49,12 +49,11 @@ class Api:
         return response.json()
 
 
-@pytest.fixture(scope="module")
-def api(tmp_path_factory) -> Api:
+def serve_api(tmp_path_factory, **settings):
+    """A live app on a fresh embedded data dir with the demo corpus ingested for tenant acme."""
     data_dir = tmp_path_factory.mktemp("inherent")
-    settings = Settings(
-        data_dir=data_dir, database_url="", qdrant_url="", redis_url="", max_waiting_requests=64
-    )
+    settings = Settings(data_dir=data_dir, database_url="", qdrant_url="", redis_url="",
+                        max_waiting_requests=64, **settings)
     ensure_schema(settings.sqlalchemy_url)
     corpus = data_dir / "corpus"
     shutil.copytree(Path(str(resources.files("gateway") / "demo_corpus")), corpus)
@@ -66,3 +65,8 @@ def api(tmp_path_factory) -> Api:
     from provenance.vector_index import close_vector_indexes
 
     close_vector_indexes()
+
+
+@pytest.fixture(scope="module")
+def api(tmp_path_factory) -> Api:
+    yield from serve_api(tmp_path_factory)

@@ -215,3 +215,11 @@ def test_metrics_and_health(api):
         "inherent:generation_tokens_total",
     ):
         assert name in text, name
+
+
+def test_default_mode_replay_reports_token_agreement_not_bits(api):
+    reply = api.chat("How much does the Plus plan cost?", max_tokens=8)
+    response = api.client.post(f"/v1/receipts/{reply['receipt_id']}/replay", headers=api.auth())
+    result = response.json()
+    assert result["verdict"] == "tokens_match" and result["token_agreement"] == 1.0
+    assert not result["bitwise_claim"]

@@ -1,15 +1,24 @@
-"""Replay: the receipt's pinned context, model and seed, run again, with a drift report."""
+"""Replay: the receipt's pinned context, model and seed, run again, with a drift report.
+
+The server runs in batch-invariant mode, so replay may claim bit-identical answers; one test
+runs the default mode, where equal tokens carry no such claim.
+"""
 
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
-from api_support import api  # noqa: F401  (fixture)
+from api_support import serve_api
 from sqlalchemy import update
 
 from provenance.db import session_scope
 from provenance.models import Chunk
 
 pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def api(tmp_path_factory):
+    yield from serve_api(tmp_path_factory, batch_invariant=True)
 
 QUESTIONS = [
     "How long does a password reset link stay valid?",
@@ -40,6 +49,7 @@ def test_fifty_concurrent_greedy_answers_replay_identically(api):
         if v["verdict"] != "identical"
     ]
     assert diverged == [], f"{len(diverged)} of 50 replays diverged: {diverged}"
+    assert all(v["bitwise_claim"] for v in verdicts)
     assert all(v["replayed_output_hash"] == v["original_output_hash"] for v in verdicts)
 
 
@@ -49,6 +59,16 @@ def test_seeded_sampling_replays_identically(api):
     )
     result = replay(api, reply["receipt_id"])
     assert result["verdict"] == "identical"
+
+
+def test_bitwise_claim_needs_the_same_numerics(api, monkeypatch):
+    reply = api.chat("How do I turn on SMS codes?", max_tokens=8)
+    services = api.client.app.state.services
+    numerics = {**services.engine_numerics, "max_num_batched_tokens": 512}
+    monkeypatch.setattr(services, "engine_numerics", numerics)
+    result = replay(api, reply["receipt_id"])
+    assert result["verdict"] == "tokens_match" and not result["bitwise_claim"]
+    assert any("max_num_batched_tokens" in p for p in result["problems"])
 
 
 def test_drift_report_names_changed_and_deprecated_sources(api, tmp_path, monkeypatch):
