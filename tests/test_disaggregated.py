@@ -321,7 +321,10 @@ def test_the_disagg_settings_reach_the_engine_config(monkeypatch):
 
 @pytest.mark.slow
 def test_greedy_output_equals_colocated_on_the_bundled_model():
-    settings = dict(max_model_len=512, num_kv_blocks=128, max_num_batched_tokens=256)
+    # Batch-invariant numerics: the decode worker batches other requests than the colocated
+    # engine does, and with shape-dependent kernels a near-tie (prompt 5's second token) flips.
+    settings = dict(max_model_len=512, num_kv_blocks=128, max_num_batched_tokens=256,
+                    batch_invariant=True)
     threads = torch.get_num_threads()
     try:  # one thread, as each worker has: on a busy 2-core machine two spin against others
         colocated = LLMEngine.from_config(EngineConfig(num_threads=1, **settings))
