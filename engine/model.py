@@ -142,12 +142,11 @@ class ModelConfig:
 def default_bf16_min_tokens() -> int | None:
     """Token count from which a float32 model switches its matmuls to bf16, or None (never).
 
-    Only CPUs with native bf16 dot products (AVX512-BF16, AMX) can gain. Without them (e.g. the
-    Zen 3 machines we develop on) bf16 matmuls ran 2.4x slower than fp32 at 8 tokens and 6-8x at
-    64-512 (bench/model_step.py), so: never. With them, 64 is a starting point taken from the
-    Zen 4 figures in the design notes (bf16 twice as fast as fp32 on large matrices, but slow on
-    matrix-vector products), not a measurement: bench/model_step.py prints the per-size crossover
-    to set it on such a machine.
+    Only CPUs with native bf16 dot products (AVX512-BF16, AMX) can gain. Without them (Zen 3)
+    bf16 matmuls ran 2.4x slower than fp32 at 8 tokens and 6-8x at 64-512 (bench/model_step.py),
+    so: never. With them (Zen 4, 2 cores, a layer's four packed matmuls x 30) bf16 won at every
+    size: 5.5 vs 22 ms at 1 token, 41 vs 82 ms at 64, 150 vs 288 ms at 256 (~360 GFLOP/s
+    against ~100), so: from the first token.
     """
     try:
         with open("/proc/cpuinfo") as f:
@@ -155,8 +154,13 @@ def default_bf16_min_tokens() -> int | None:
     except OSError:
         return None
     if "avx512_bf16" in flags or "amx_bf16" in flags:
-        return 64
+        return 1
     return None
+
+
+def matmul_dtype(dtype: str) -> str:
+    """The dtype a model of weights ``dtype`` runs its decoder matmuls in, on this CPU."""
+    return "bfloat16" if dtype == "bfloat16" or default_bf16_min_tokens() else dtype
 
 
 def rope_inv_freq(config: ModelConfig, freq_factors: torch.Tensor | None = None) -> torch.Tensor:

@@ -19,11 +19,16 @@ namespace {
 
 constexpr int kLanes = 8;  // one AVX2 register of floats: the dot product's fixed lane split
 
-template <int64_t D>
-inline float dot(const float* a, const float* b) {
+// kD is the head dimension when known at compile time (64, 128: fully unrolled), else 0 and the
+// runtime `dim` rules; either way the lanes and their sum follow the dimension alone.
+template <int64_t kD>
+inline float dot(const float* a, const float* b, int64_t dim) {
+  const int64_t D = kD ? kD : dim;
   float lane[kLanes] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
-  for (int64_t d = 0; d < D; d += kLanes)
+  int64_t d = 0;
+  for (; d + kLanes <= D; d += kLanes)
     for (int l = 0; l < kLanes; ++l) lane[l] += a[d + l] * b[d + l];
+  for (int l = 0; d < D; ++d, ++l) lane[l] += a[d] * b[d];
   return ((lane[0] + lane[4]) + (lane[1] + lane[5])) + ((lane[2] + lane[6]) + (lane[3] + lane[7]));
 }
 
@@ -36,9 +41,10 @@ struct Layout {
 // Attention of one query token, all heads, over its keys 0..position, in three passes (scores,
 // softmax, weighted sum of V) whose loops depend only on the position. Heads are the inner loop
 // so each key slot (K, then V, of every KV head) is read front to back once per pass.
-template <int64_t D>
+template <int64_t kD>
 void attend(const Layout& L, const float* q, float* out, const int32_t* table, int64_t position,
-            int64_t group, float scale, std::vector<float>& buf) {
+            int64_t group, int64_t dim, float scale, std::vector<float>& buf) {
+  const int64_t D = kD ? kD : dim;
   const int64_t n = position + 1, heads = L.kv_heads * group;
   buf.resize(heads * (n + D));
   float* scores = buf.data();  // [heads][n]
@@ -52,7 +58,8 @@ void attend(const Layout& L, const float* q, float* out, const int32_t* table, i
     }
   };
   for_each_key([&](int64_t j, const float* k) {
-    for (int64_t h = 0; h < heads; ++h) scores[h * n + j] = dot<D>(q + h * D, k + h / group * D) * scale;
+    for (int64_t h = 0; h < heads; ++h)
+      scores[h * n + j] = dot<kD>(q + h * D, k + h / group * D, D) * scale;
   });
   for (int64_t h = 0; h < heads; ++h) {
     float* s = scores + h * n;
@@ -96,7 +103,6 @@ torch::Tensor paged_attention(torch::Tensor q, torch::Tensor cache, torch::Tenso
   TORCH_CHECK(positions.scalar_type() == torch::kInt64 && positions.is_contiguous());
   TORCH_CHECK(q.device().is_cpu() && cache.device().is_cpu(), "fixed-order attention runs on CPU");
   const int64_t num_tokens = q.size(0), head_dim = cache.size(4);
-  TORCH_CHECK(head_dim == 64 || head_dim == 128, "head_dim must be 64 or 128");
   Layout L{cache.data_ptr<float>(), cache.size(1), 2 * cache.size(3) * head_dim,
            cache.size(3) * head_dim, cache.size(3), block_tables.size(1),
            block_tables.data_ptr<int32_t>()};
@@ -119,9 +125,11 @@ torch::Tensor paged_attention(torch::Tensor q, torch::Tensor cache, torch::Tenso
       float* o = out_data + t * heads * head_dim;
       const int32_t* table = L.tables + seq_of[t] * L.max_blocks;
       if (head_dim == 64)
-        attend<64>(L, qt, o, table, pos_of[t], group, fscale, buf);
+        attend<64>(L, qt, o, table, pos_of[t], group, head_dim, fscale, buf);
+      else if (head_dim == 128)
+        attend<128>(L, qt, o, table, pos_of[t], group, head_dim, fscale, buf);
       else
-        attend<128>(L, qt, o, table, pos_of[t], group, fscale, buf);
+        attend<0>(L, qt, o, table, pos_of[t], group, head_dim, fscale, buf);
     }
   });
   return out;
