@@ -7,8 +7,8 @@ Prints, for the bundled SmolLM2-135M (fp32, and bf16 where this CPU does bf16 na
   (bytes of weights read per step / bandwidth);
 * batch-1 decode ms/step at two context lengths, and the ratio to that roofline;
 * batched decode (8 and 64 sequences) ms/step and tokens/s;
-* prefill tokens/s for a 512-token prompt, and the fp32/bf16 matmul times per token count that
-  set ``bf16_min_tokens``;
+* prefill tokens/s for a 512-token prompt, and the fp32/bf16 matmul times per token count
+  behind ``engine.model.default_matmul_dtype``;
 * with --load: cold (convert the GGUF into a fresh cache) and warm load times;
 * with --baseline: transformers' batch-1 decode step on the same weights.
 Times are medians over repeated steps; other processes on a 2-core machine move them by 10-30%.
@@ -25,7 +25,7 @@ import torch
 
 from engine.forward_batch import ForwardBatch
 from engine.loader import load_gguf
-from engine.model import LlamaModel, _Linear, default_bf16_min_tokens
+from engine.model import LlamaModel, _Linear, native_bf16
 from engine.model_files import bundled_model_path
 
 BLOCK = 16
@@ -123,7 +123,7 @@ def report_model(name: str, model: LlamaModel, bandwidth: float) -> None:
 
 
 def report_matmul_crossover() -> None:
-    """fp32 vs bf16 time of one layer's four matmuls by token count (sets bf16_min_tokens)."""
+    """fp32 vs bf16 time of one layer's four matmuls by token count."""
     shapes = [(960, 576), (576, 576), (3072, 576), (576, 1536)]
     print("\n== one layer's matmuls, fp32 vs bf16, by tokens per step")
     fp32 = [_Linear(torch.randn(o, i)) for o, i in shapes]
@@ -198,7 +198,7 @@ def main() -> None:
     torch.manual_seed(0)
     print(
         f"torch {torch.__version__}, {torch.get_num_threads()} threads, "
-        f"native bf16: {default_bf16_min_tokens() is not None}"
+        f"native bf16: {native_bf16()}"
     )
     if args.load:
         report_load()
@@ -207,18 +207,18 @@ def main() -> None:
     fp32 = LlamaModel(checkpoint.config, checkpoint.weights)
     with torch.inference_mode():
         report_model("fp32", fp32, bandwidth)
-        if default_bf16_min_tokens() is not None:
+        if native_bf16():
             report_model(
                 "bf16",
                 LlamaModel(checkpoint.config, checkpoint.weights, dtype=torch.bfloat16),
                 bandwidth,
             )
             mixed = LlamaModel(
-                checkpoint.config, checkpoint.weights, bf16_min_tokens=default_bf16_min_tokens()
+                checkpoint.config, checkpoint.weights, matmul_dtype=torch.bfloat16
             )
             seconds = step_seconds(mixed, *prefill_batch(512), repeat=4)
             print(
-                f"\nfp32 model, bf16 matmuls from {mixed.bf16_min_tokens} tokens: "
+                "\nfp32 model, bf16 matmuls: "
                 f"prefill 512 tokens {512 / seconds:.0f} tok/s"
             )
         report_matmul_crossover()

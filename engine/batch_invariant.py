@@ -15,9 +15,8 @@ every op that reduces over something gets an order fixed by the token alone:
   back to fixed tiles of ``ROW_TILE`` rows, invariant by construction;
 * RMSNorm is row-local in torch (one row's reduction never splits across threads at these
   widths); the start-up probe checks it too and refuses the mode where it is not;
-* no switch of matmul precision by step size: where the CPU has native bf16 and the default
-  would run steps of 64+ tokens in bf16, this mode runs every step in bf16 (else every step in
-  float32); sampling is per row already (engine/sampler.py).
+* sampling is per row already (engine/sampler.py), and matmul precision never depends on the
+  step (bf16 at every step on CPUs with native bf16, see engine.model.default_matmul_dtype).
 
 The price is measured by bench/batch_invariance.py.
 """

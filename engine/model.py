@@ -18,17 +18,16 @@ RoPE becomes a complex multiply. Q.K is unchanged: both sides get the same reord
 
 The LM head runs only on ``batch.logits_indices`` rows.
 
-Precision: ``dtype`` is the weights' and activations' type (float32 or bfloat16). A float32 model
-can also keep bfloat16 copies of its matmul weights and use them on steps of at least
-``bf16_min_tokens`` tokens (prefill-heavy steps), where bf16 matmul beats fp32 on CPUs with native
-bf16 (AVX512-BF16/AMX); on CPUs without it bf16 is far slower (see bench/model_step.py), and
-:func:`default_bf16_min_tokens` leaves it off. The residual stream, norms, RoPE, attention and LM
-head stay in float32 either way. The KV cache may have its own dtype (e.g. bf16 beside fp32
-weights); attention then runs in that dtype.
+Precision: ``dtype`` is the weights' and activations' type (float32 or bfloat16);
+``matmul_dtype`` the decoder matmuls' (default: ``dtype``). A float32 model with bfloat16 matmuls
+is what the engine runs on CPUs with native bf16 (AVX512-BF16/AMX, see
+:func:`default_matmul_dtype`): the residual stream, norms, RoPE, attention and LM head stay in
+float32. The KV cache may have its own dtype (e.g. bf16 beside fp32 weights); attention then runs
+in that dtype.
 
 Batch invariance: by default a token's logits can depend on its companions (oneDNN reduces one
-row differently from several, SDPA's blocking follows the padded key length, bf16 is chosen by
-step size). ``batch_invariant=True`` removes each of these: see engine/batch_invariant.py.
+row differently from several, SDPA's blocking follows the padded key length).
+``batch_invariant=True`` removes both: see engine/batch_invariant.py.
 """
 
 from __future__ import annotations
@@ -139,28 +138,27 @@ class ModelConfig:
         }
 
 
-def default_bf16_min_tokens() -> int | None:
-    """Token count from which a float32 model switches its matmuls to bf16, or None (never).
-
-    Only CPUs with native bf16 dot products (AVX512-BF16, AMX) can gain. Without them (Zen 3)
-    bf16 matmuls ran 2.4x slower than fp32 at 8 tokens and 6-8x at 64-512 (bench/model_step.py),
-    so: never. With them (Zen 4, 2 cores, a layer's four packed matmuls x 30) bf16 won at every
-    size: 5.5 vs 22 ms at 1 token, 41 vs 82 ms at 64, 150 vs 288 ms at 256 (~360 GFLOP/s
-    against ~100), so: from the first token.
-    """
+def native_bf16() -> bool:
+    """Whether this CPU has bf16 dot-product instructions (AVX512-BF16 or AMX)."""
     try:
         with open("/proc/cpuinfo") as f:
             flags = f.read()
     except OSError:
-        return None
-    if "avx512_bf16" in flags or "amx_bf16" in flags:
-        return 1
-    return None
+        return False
+    return "avx512_bf16" in flags or "amx_bf16" in flags
 
 
-def matmul_dtype(dtype: str) -> str:
-    """The dtype a model of weights ``dtype`` runs its decoder matmuls in, on this CPU."""
-    return "bfloat16" if dtype == "bfloat16" or default_bf16_min_tokens() else dtype
+def default_matmul_dtype(dtype: torch.dtype, device: torch.device | str = "cpu") -> torch.dtype:
+    """The dtype for a ``dtype`` model's decoder matmuls: bf16 on CPUs with native bf16.
+
+    Measured on 2 cores, a layer's four packed matmuls x 30 layers. Zen 3 (no bf16 instructions):
+    bf16 2.4x slower than fp32 at 8 tokens, 6-8x at 64-512, so float32. Zen 4 (AVX512-BF16):
+    bf16 faster at every size, 5.5 vs 22 ms at 1 token, 41 vs 82 ms at 64, 150 vs 288 ms at 256
+    (~360 GFLOP/s against ~100), so bf16 from the first token.
+    """
+    if dtype == torch.float32 and torch.device(device).type == "cpu" and native_bf16():
+        return torch.bfloat16
+    return dtype
 
 
 def rope_inv_freq(config: ModelConfig, freq_factors: torch.Tensor | None = None) -> torch.Tensor:
@@ -272,8 +270,6 @@ class _Layer:
     o: _Linear  # [hidden, heads * head_dim]
     gate_up: _Linear  # [2 * intermediate, hidden]
     down: _Linear  # [hidden, intermediate]
-    # bf16 versions, when a float32 model keeps them for large steps
-    bf16: tuple[_Linear, _Linear, _Linear, _Linear] | None = None
 
 
 class LlamaModel:
@@ -286,7 +282,7 @@ class LlamaModel:
         *,
         dtype: torch.dtype = torch.float32,
         device: torch.device | str = "cpu",
-        bf16_min_tokens: int | None = None,
+        matmul_dtype: torch.dtype | None = None,
         batch_invariant: bool = False,
     ):
         """``weights`` uses Hugging Face Llama names (as :mod:`engine.loader` returns them)."""
@@ -296,15 +292,11 @@ class LlamaModel:
         self.dtype = dtype
         self.device = torch.device(device)
         self.batch_invariant = batch_invariant
-        if batch_invariant:
-            if self.device.type != "cpu" or dtype != torch.float32:
-                raise BatchInvarianceUnsupported(
-                    "batch_invariant runs on CPU in float32 only (device "
-                    f"{self.device.type}, dtype {dtype})")
-            # The switch to bf16 matmuls follows the step's size: here it is all or nothing.
-            if bf16_min_tokens is not None:
-                bf16_min_tokens = 1
-        self.bf16_min_tokens = bf16_min_tokens if dtype == torch.float32 else None
+        if batch_invariant and (self.device.type != "cpu" or dtype != torch.float32):
+            raise BatchInvarianceUnsupported(
+                "batch_invariant runs on CPU in float32 only (device "
+                f"{self.device.type}, dtype {dtype})")
+        self.matmul_dtype = matmul_dtype or dtype
         self.attention_backend, self._attend = select_attend(self.device)
         # The fixed-order kernel takes the decodes (faster than SDPA there) and, in batch-
         # invariant mode, every row.
@@ -340,11 +332,8 @@ class LlamaModel:
             )
             norms = (get(p + "input_layernorm.weight"), get(p + "post_attention_layernorm.weight"))
             self.num_parameters += sum(t.numel() for t in (*mats, *norms))
-            bf16 = None
-            if self.bf16_min_tokens is not None:
-                qkv16, o16, gate_up16, down16 = (_Linear(m.bfloat16()) for m in mats)
-                bf16 = (qkv16, o16, gate_up16, down16)
-            self.layers.append(_Layer(norms[0], norms[1], *(_Linear(m) for m in mats), bf16=bf16))
+            linears = (_Linear(m.to(self.matmul_dtype)) for m in mats)
+            self.layers.append(_Layer(norms[0], norms[1], *linears))
 
         freq_factors = weights.get("rope_freqs")
         inv_freq = rope_inv_freq(c, freq_factors).to(self.device)
@@ -359,7 +348,7 @@ class LlamaModel:
             check_rms_norm(c.hidden_size, c.rms_norm_eps, dtype)
             linears = [self.lm_head]
             for layer in self.layers:
-                linears += layer.bf16 or (layer.qkv, layer.o, layer.gate_up, layer.down)
+                linears += [layer.qkv, layer.o, layer.gate_up, layer.down]
             self.linear_paths = make_linears_invariant(linears)
 
     def allocate_kv_cache(
@@ -393,16 +382,12 @@ class LlamaModel:
         plan = build_plan(batch, block_size, c.num_heads // c.num_kv_heads, fixed)
         rope = self.rope[batch.positions]
         slots = batch.slot_mapping
-        use16 = self.bf16_min_tokens is not None and num_tokens >= self.bf16_min_tokens
         act_dtype = self.dtype
 
         x = F.embedding(batch.input_ids, self.embed)
         for layer, cache in zip(self.layers, kv_cache, strict=True):
-            qkv_proj, o_proj, gate_up_proj, down_proj = (
-                layer.bf16 if use16 else (layer.qkv, layer.o, layer.gate_up, layer.down)
-            )
             h = F.rms_norm(x, hidden, layer.input_norm, c.rms_norm_eps)
-            qkv = qkv_proj(h).to(act_dtype)
+            qkv = layer.qkv(h).to(act_dtype)
             qk = qkv[:, : qk_heads * c.head_dim].view(num_tokens, qk_heads, c.head_dim // 2, 2)
             if act_dtype == torch.float32:
                 torch.view_as_complex(qk).mul_(rope)
@@ -413,13 +398,13 @@ class LlamaModel:
             attn = paged_attention(
                 qkv[:, :q_width].to(cache.dtype), cache, plan, self._attend, self._fixed
             )
-            x.add_(o_proj(attn))
+            x.add_(layer.o(attn))
 
             h = F.rms_norm(x, hidden, layer.post_norm, c.rms_norm_eps)
-            gate_up = gate_up_proj(h)
+            gate_up = layer.gate_up(h)
             act = F.silu(gate_up[:, :inter])
             act.mul_(gate_up[:, inter:])
-            x.add_(down_proj(act))
+            x.add_(layer.down(act))
 
         rows = x.index_select(0, batch.logits_indices)
         rows = F.rms_norm(rows, hidden, self.final_norm, c.rms_norm_eps)

@@ -89,7 +89,7 @@ class ModelRunner:
     @classmethod
     def from_checkpoint(cls, checkpoint, config: EngineConfig) -> "ModelRunner":
         """The Llama model of a loaded checkpoint, with a KV cache sized by the config."""
-        from engine.model import LlamaModel, default_bf16_min_tokens, kv_cache_bytes_per_block
+        from engine.model import LlamaModel, default_matmul_dtype, kv_cache_bytes_per_block
 
         dtype = getattr(torch, config.dtype)
         kv_dtype = getattr(torch, config.kv_cache_dtype or config.dtype)
@@ -97,7 +97,8 @@ class ModelRunner:
         if config.max_model_len > limit:
             raise ValueError(f"max_model_len={config.max_model_len} exceeds the model's {limit}")
         model = LlamaModel(checkpoint.config, checkpoint.weights, dtype=dtype,
-                           device=config.device, bf16_min_tokens=default_bf16_min_tokens(),
+                           device=config.device,
+                           matmul_dtype=default_matmul_dtype(dtype, config.device),
                            batch_invariant=config.batch_invariant)
         num_blocks = config.num_kv_blocks or config.kv_cache_bytes // kv_cache_bytes_per_block(
             checkpoint.config, config.block_size, kv_dtype)

@@ -179,11 +179,14 @@ def build_services(settings: Settings, registry: CollectorRegistry) -> Services:
 
 def numerics(config) -> dict[str, Any]:
     """The engine settings that can change output bits, as receipts record them."""
-    from engine.model import matmul_dtype
+    import torch
 
+    from engine.model import default_matmul_dtype
+
+    dtype = getattr(torch, config.dtype)
     return {
         "dtype": config.dtype,
-        "matmul_dtype": matmul_dtype(config.dtype) if config.device == "cpu" else config.dtype,
+        "matmul_dtype": str(default_matmul_dtype(dtype, config.device)).removeprefix("torch."),
         "kv_cache_dtype": config.kv_cache_dtype or config.dtype,
         "device": config.device,
         "block_size": config.block_size,

@@ -14,7 +14,7 @@ from engine_fixtures import CHAT_PROMPTS, bundled_cache_dir, bundled_checkpoint 
 
 from engine import EngineConfig, LLMEngine, SamplingParams
 from engine.batch_invariant import PROBE_ROWS, make_linears_invariant
-from engine.model import LlamaModel, _Linear, default_bf16_min_tokens
+from engine.model import LlamaModel, _Linear, default_matmul_dtype
 from engine.model_runner import ModelRunner
 
 MAX_TOKENS = 5
@@ -44,7 +44,7 @@ class Runs:
         self.checkpoint = checkpoint
         # as the engine builds it: bf16 matmuls where the CPU has native bf16
         self.model = LlamaModel(checkpoint.config, checkpoint.weights,
-                                bf16_min_tokens=default_bf16_min_tokens(),
+                                matmul_dtype=default_matmul_dtype(torch.float32),
                                 batch_invariant=batch_invariant)
         self.kv_cache = self.model.allocate_kv_cache(self.NUM_BLOCKS, 16)
         self.batch_invariant = batch_invariant

@@ -103,10 +103,10 @@ def test_many_decodes_of_different_lengths_in_one_step(tiny):
     torch.testing.assert_close(logits, torch.stack(alone), atol=1e-5, rtol=1e-5)
 
 
-def test_bf16_matmuls_on_large_steps_stay_close(tmp_path):
+def test_bf16_matmuls_stay_close(tmp_path):
     checkpoint = load_hf_dir(write_tiny_llama(tmp_path))
     fp32 = LlamaModel(checkpoint.config, checkpoint.weights)
-    mixed = LlamaModel(checkpoint.config, checkpoint.weights, bf16_min_tokens=16)
+    mixed = LlamaModel(checkpoint.config, checkpoint.weights, matmul_dtype=torch.bfloat16)
     bf16 = LlamaModel(checkpoint.config, checkpoint.weights, dtype=torch.bfloat16)
     ids = torch.randint(3, 300, (40,), generator=torch.Generator().manual_seed(6)).tolist()
     expected = PagedRunner(fp32).step([("a", ids)])[0]
@@ -115,13 +115,6 @@ def test_bf16_matmuls_on_large_steps_stay_close(tmp_path):
         got = PagedRunner(model).step([("a", ids)])[0]
         assert got.dtype == torch.float32
         assert (got - expected).abs().max() < 0.05 * scale
-    # below the threshold the mixed model is the float32 model exactly
-    torch.testing.assert_close(
-        PagedRunner(mixed).step([("a", ids[:8])]),
-        PagedRunner(fp32).step([("a", ids[:8])]),
-        atol=0,
-        rtol=0,
-    )
 
 
 def test_bf16_kv_cache_with_fp32_weights(tiny):
