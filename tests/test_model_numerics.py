@@ -100,7 +100,8 @@ def test_many_decodes_of_different_lengths_in_one_step(tiny):
     runner = PagedRunner(model, num_blocks=1024, seed=11)
     runner.step([(i, p[:-1]) for i, p in enumerate(prompts)])
     logits = runner.step([(i, p[-1:]) for i, p in enumerate(prompts)])
-    torch.testing.assert_close(logits, torch.stack(alone), atol=1e-5, rtol=1e-5)
+    # decodes take the fixed-order kernel, the prompts alone SDPA: float32 rounding apart
+    torch.testing.assert_close(logits, torch.stack(alone), atol=1e-4, rtol=1e-4)
 
 
 def test_bf16_matmuls_stay_close(tmp_path):
