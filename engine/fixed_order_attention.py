@@ -39,7 +39,8 @@ def _module():
         return load(
             name=f"inherent_fixed_order_attention_{_cpu_digest()}",
             sources=[str(SOURCE)],
-            extra_cflags=["-O3", "-march=native", "-ffp-contract=off"],
+            extra_cflags=["-O3", "-march=native", "-ffp-contract=off", "-fno-math-errno",
+                         "-fno-trapping-math"],
             verbose=False,
         )
     except Exception as exc:  # compiler missing or failing: OSError, CalledProcessError, ...

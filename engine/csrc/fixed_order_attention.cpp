@@ -7,29 +7,62 @@
 // items, never a reduction.
 //
 // Built by engine/fixed_order_attention.py with -ffp-contract=off: without it the compiler may
-// fuse a*b+c into an FMA in one inlined copy of a loop and not in another.
+// fuse a*b+c into an FMA in one inlined copy of a loop and not in another. Fused multiply-adds
+// are written out (std::fma) only in exp, where they are one rounding, the same in vector and
+// scalar code; in the dot products and the V sums a plain multiply and add measured faster.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
 #include <algorithm>
 #include <cmath>
+#include <cstdint>
+#include <cstring>
 #include <vector>
 
 namespace {
 
-constexpr int kLanes = 8;  // one AVX2 register of floats: the dot product's fixed lane split
+constexpr int kLanes = 16;  // the fixed lane split of every sum: one AVX-512 register of floats
 
 // kD is the head dimension when known at compile time (64, 128: fully unrolled), else 0 and the
 // runtime `dim` rules; either way the lanes and their sum follow the dimension alone.
+// The lanes' total, in a fixed tree.
+inline float lanes_sum(const float* lane) {
+  float half[kLanes / 2];
+  for (int l = 0; l < kLanes / 2; ++l) half[l] = lane[l] + lane[l + kLanes / 2];
+  float quarter[kLanes / 4];
+  for (int l = 0; l < kLanes / 4; ++l) quarter[l] = half[l] + half[l + kLanes / 4];
+  return ((quarter[0] + quarter[2]) + (quarter[1] + quarter[3]));
+}
+
 template <int64_t kD>
 inline float dot(const float* a, const float* b, int64_t dim) {
   const int64_t D = kD ? kD : dim;
-  float lane[kLanes] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+  float lane[kLanes] = {};
   int64_t d = 0;
   for (; d + kLanes <= D; d += kLanes)
     for (int l = 0; l < kLanes; ++l) lane[l] += a[d + l] * b[d + l];
-  for (int l = 0; d < D; ++d, ++l) lane[l] += a[d] * b[d];
-  return ((lane[0] + lane[4]) + (lane[1] + lane[5])) + ((lane[2] + lane[6]) + (lane[3] + lane[7]));
+  for (int l = 0; d < D && l < kLanes; ++d, ++l) lane[l] += a[d] * b[d];
+  return lanes_sum(lane);
+}
+
+// e^x for x <= 0 (a score minus its row's maximum), Cephes' single-precision polynomial: about
+// 1 ulp, branch-free, so a loop of it vectorizes (glibc's expf is a call per element).
+inline float exp_nonpositive(float x) {
+  x = std::max(x, -87.0f);  // e^-87 ~ 1.6e-38: the smallest normal float, no denormals
+  const float k = static_cast<float>(static_cast<int32_t>(x * 1.44269504088896341f - 0.5f));
+  float r = std::fma(k, -0.693359375f, x);  // x - k ln 2, ln 2 split in two for accuracy
+  r = std::fma(k, 2.12194440e-4f, r);
+  float p = 1.9875691500e-4f;
+  p = std::fma(p, r, 1.3981999507e-3f);
+  p = std::fma(p, r, 8.3334519073e-3f);
+  p = std::fma(p, r, 4.1665795894e-2f);
+  p = std::fma(p, r, 1.6666665459e-1f);
+  p = std::fma(p, r, 5.0000001201e-1f);
+  const float y = std::fma(p, r * r, r) + 1.0f;
+  const int32_t bits = (static_cast<int32_t>(k) + 127) << 23;  // 2^k
+  float scale;
+  std::memcpy(&scale, &bits, sizeof scale);
+  return y * scale;
 }
 
 struct Layout {
@@ -63,13 +96,21 @@ void attend(const Layout& L, const float* q, float* out, const int32_t* table, i
   });
   for (int64_t h = 0; h < heads; ++h) {
     float* s = scores + h * n;
-    float top = s[0];
-    for (int64_t j = 1; j < n; ++j) top = std::max(top, s[j]);
-    float total = 0.f;
-    for (int64_t j = 0; j < n; ++j) {
-      s[j] = std::exp(s[j] - top);
-      total += s[j];
-    }
+    float top = s[0];  // a maximum is exact in any order: lanes only make it vectorize
+    float peak[kLanes];
+    std::fill(peak, peak + kLanes, top);
+    int64_t j = 0;
+    for (; j + kLanes <= n; j += kLanes)
+      for (int l = 0; l < kLanes; ++l) peak[l] = peak[l] < s[j + l] ? s[j + l] : peak[l];
+    for (; j < n; ++j) top = std::max(top, s[j]);
+    for (int l = 0; l < kLanes; ++l) top = std::max(top, peak[l]);
+    for (int64_t j = 0; j < n; ++j) s[j] = exp_nonpositive(s[j] - top);
+    float lane[kLanes] = {};
+    for (j = 0; j + kLanes <= n; j += kLanes)
+      for (int l = 0; l < kLanes; ++l) lane[l] += s[j + l];
+    for (int l = 0; j < n && l < kLanes; ++j, ++l) lane[l] += s[j];
+    const float total =
+        lanes_sum(lane);
     const float inv = 1.f / total;
     for (int64_t j = 0; j < n; ++j) s[j] *= inv;
   }
