@@ -250,13 +250,14 @@ def print_replay(result: dict) -> None:
     for problem in result["problems"]:
         console.print(f"  [red]{problem}[/]")
     if result["verdict"] is not None:
-        where = (
-            f" at token {result['first_divergent_token']}"
-            if result["verdict"] == "diverged"
-            else " (bit for bit: batch-invariant receipt)" if result["bitwise_claim"] else ""
-        )
+        detail = {
+            "identical": "bit for bit: a batch-invariant receipt, replayed with the same numerics",
+            "tokens_match": "the same tokens; no bitwise claim outside batch-invariant mode",
+            "diverged": f"first difference at token {result['first_divergent_token']}",
+        }[result["verdict"]]
         console.print(
-            f"verdict: [bold]{result['verdict']}[/]{where} (token agreement {result['token_agreement']:.0%})"
+            f"verdict: [bold]{result['verdict']}[/] ({detail}; token agreement "
+            f"{result['token_agreement']:.0%})"
         )
     drift = result["drift"]
     if drift.get("retrieval_enabled"):
