@@ -126,6 +126,9 @@ class Services:
         return PreparedPrompt(final, text, ids, retrieval, list(chunks))
 
 
+KV_BLOCK_SIZE = 16  # tokens per KV block in the API's engine
+
+
 def engine_config(settings: Settings):
     from engine import EngineConfig
 
@@ -137,6 +140,8 @@ def engine_config(settings: Settings):
         max_num_batched_tokens=settings.max_num_batched_tokens,
         enable_chunked_prefill=settings.enable_chunked_prefill,
         enable_prefix_caching=settings.enable_prefix_caching,
+        block_size=KV_BLOCK_SIZE,
+        num_kv_blocks=-(-settings.kv_cache_tokens // KV_BLOCK_SIZE),
         batch_invariant=settings.batch_invariant,
         max_waiting_requests=settings.max_waiting_requests,
         mode=settings.engine_mode,  # "disaggregated": LLMEngine.from_config starts the workers

@@ -73,7 +73,8 @@ class Settings(BaseSettings):
     # claims bit-identical answers instead of token agreement.
     batch_invariant: bool = False
     max_waiting_requests: int = Field(256, gt=0)
-    kv_cache_tokens: int = Field(65536, gt=0)
+    # KV cache size in tokens (all layers); 32768 tokens of SmolLM2-135M in float32 = 1.5 GB.
+    kv_cache_tokens: int = Field(32768, gt=0)
 
     # Embedding model: a sentence-transformers directory; empty means the bundled MiniLM.
     embedding_model_path: str = ""
