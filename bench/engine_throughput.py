@@ -208,8 +208,7 @@ def main() -> None:
           f"{engine.model_runner.num_kv_blocks}")
 
     bandwidth = read_bandwidth_gbs()
-    weight_bytes = engine.model_runner.model.num_parameters * torch.tensor(
-        [], dtype=getattr(torch, args.dtype)).element_size()
+    weight_bytes = engine.model_runner.model.decode_weight_bytes
     roofline_ms = weight_bytes / (bandwidth * 1e9) * 1e3
 
     print(f"load average before the engine run: {os.getloadavg()[0]:.1f} "

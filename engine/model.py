@@ -319,6 +319,10 @@ class LlamaModel:
         self.num_parameters = self.embed.numel() + self.final_norm.numel()
         if not tied:
             self.num_parameters += self.embed.numel()
+        # What one batch-1 decode step reads: every weight once, matmuls in their dtype (the
+        # embedding row gathered is negligible unless it is also the LM head).
+        self.decode_weight_bytes = (self.lm_head.out_features * self.lm_head.in_features
+                                    + self.final_norm.numel()) * self.embed.element_size()
         self.layers: list[_Layer] = []
         for i in range(c.num_layers):
             p = f"model.layers.{i}."
@@ -332,6 +336,9 @@ class LlamaModel:
             )
             norms = (get(p + "input_layernorm.weight"), get(p + "post_attention_layernorm.weight"))
             self.num_parameters += sum(t.numel() for t in (*mats, *norms))
+            self.decode_weight_bytes += sum(t.numel() for t in norms) * norms[0].element_size()
+            self.decode_weight_bytes += sum(m.numel() for m in mats) * torch.empty(
+                (), dtype=self.matmul_dtype).element_size()
             linears = (_Linear(m.to(self.matmul_dtype)) for m in mats)
             self.layers.append(_Layer(norms[0], norms[1], *linears))
 
