@@ -227,7 +227,9 @@ def build_plan(
     )
 
 
-def _gather_kv(cache: torch.Tensor, chunk: _Chunk) -> tuple[torch.Tensor, torch.Tensor]:
+def _gather_kv(
+    cache: torch.Tensor, chunk: _Chunk, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
     """K and V of a chunk's sequences as [N, kv_heads, keys, head_dim] strided views of one copy.
 
     Whole blocks are copied (one contiguous run each); K and V are views into that copy, which
@@ -235,7 +237,7 @@ def _gather_kv(cache: torch.Tensor, chunk: _Chunk) -> tuple[torch.Tensor, torch.
     """
     num_kv_heads, head_dim = cache.shape[-2], cache.shape[-1]
     # on a 2-D view index_select copies whole rows (~25% faster than on the 5-D tensor)
-    blocks = cache.view(cache.shape[0], -1).index_select(0, chunk.blocks)
+    blocks = cache.view(cache.shape[0], -1).index_select(0, chunk.blocks).to(dtype)
     kv = blocks.view(chunk.num_seqs, chunk.keys, 2, num_kv_heads, head_dim)
     return kv[:, :, 0].transpose(1, 2), kv[:, :, 1].transpose(1, 2)
 
@@ -250,8 +252,9 @@ def paged_attention(
     """Attention of every query row over its sequence's cached keys.
 
     q: [T, heads * head_dim], RoPE applied. The step's own K/V must already be in ``cache``.
-    ``fixed`` is the fixed-order kernel, needed when the plan gives it rows. Returns
-    [T, heads * head_dim].
+    ``fixed`` is the fixed-order kernel, needed when the plan gives it rows. SDPA runs in q's
+    dtype (a cache of another dtype is converted as it is gathered). Returns
+    [T, heads * head_dim] in q's dtype.
     """
     num_kv_heads, head_dim = cache.shape[-2], cache.shape[-1]
     width = q.shape[1]
@@ -265,7 +268,7 @@ def paged_attention(
         q_dec = q[plan.decode_rows].view(-1, num_kv_heads, group, head_dim)
         outs, first = [], 0
         for chunk in plan.decode_chunks:
-            k, v = _gather_kv(cache, chunk)
+            k, v = _gather_kv(cache, chunk, q.dtype)
             outs.append(attend(q_dec[first : first + chunk.num_seqs], k, v, chunk.mask))
             first += chunk.num_seqs
         parts.append((plan.decode_rows, torch.cat(outs).view(-1, width)))
@@ -279,7 +282,7 @@ def paged_attention(
         out[rows] = part
     for p in plan.prefills:
         n = p.query_len
-        k, v = _gather_kv(cache, p.chunk)
+        k, v = _gather_kv(cache, p.chunk, q.dtype)
         # [n, kv_heads, group, D] -> [1, kv_heads, group * n, D]
         q_pre = q[p.rows].view(n, num_kv_heads, group, head_dim).permute(1, 2, 0, 3)
         q_pre = q_pre.reshape(1, num_kv_heads, group * n, head_dim)

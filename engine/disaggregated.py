@@ -178,9 +178,10 @@ class DisaggregatedEngine(LLMEngine):
     def __init__(self, config: EngineConfig, checkpoint, registry: CollectorRegistry | None = None):
         """`checkpoint`: the loaded model (engine.loader.Checkpoint); the front keeps its
         tokenizer and identity, the workers load the weights themselves."""
-        from engine.model import kv_cache_bytes_per_block
+        from engine.model import default_kv_cache_dtype, kv_cache_bytes_per_block
 
-        kv_dtype = getattr(torch, config.kv_cache_dtype or config.dtype)
+        kv_dtype = default_kv_cache_dtype(config.kv_cache_dtype, getattr(torch, config.dtype),
+                                          config.device)
         num_blocks = config.num_kv_blocks or config.kv_cache_bytes // kv_cache_bytes_per_block(
             checkpoint.config, config.block_size, kv_dtype)
         decode_blocks = config.disagg_decode_kv_blocks or num_blocks

@@ -161,6 +161,16 @@ def default_matmul_dtype(dtype: torch.dtype, device: torch.device | str = "cpu")
     return dtype
 
 
+def default_kv_cache_dtype(
+    kv_cache_dtype: str | None, dtype: torch.dtype, device: torch.device | str = "cpu"
+) -> torch.dtype:
+    """The KV cache's dtype: as configured, else the matmuls' (bf16 halves what a decode step
+    reads from the cache: 64 decodes' attention 5.7 instead of 8.5 ms per layer, one core)."""
+    if kv_cache_dtype:
+        return getattr(torch, kv_cache_dtype)
+    return default_matmul_dtype(dtype, device)
+
+
 def rope_inv_freq(config: ModelConfig, freq_factors: torch.Tensor | None = None) -> torch.Tensor:
     """Per-pair rotation frequencies [head_dim / 2], float32, computed as transformers does."""
     dim = config.head_dim
@@ -378,11 +388,13 @@ class LlamaModel:
         hidden = (c.hidden_size,)
         inter = c.intermediate_size
         block_size = kv_cache[0].shape[1]
+        fixed_ok = (self._fixed is not None and self.dtype == torch.float32
+                    and kv_cache[0].dtype in (torch.float32, torch.bfloat16))
         if self.batch_invariant:
-            if kv_cache[0].dtype != torch.float32:
-                raise BatchInvarianceUnsupported("batch_invariant needs a float32 KV cache")
+            if not fixed_ok:
+                raise BatchInvarianceUnsupported("batch_invariant needs a float32 or bf16 KV cache")
             fixed = FIXED_ALL
-        elif self._fixed is not None and kv_cache[0].dtype == torch.float32:
+        elif fixed_ok:
             fixed = FIXED_DECODES
         else:
             fixed = FIXED_NONE
@@ -402,9 +414,7 @@ class LlamaModel:
                 qk.copy_(torch.view_as_real(torch.view_as_complex(qk.float()) * rope))
             flat_cache = cache.view(cache.shape[0] * block_size, -1)
             flat_cache.index_copy_(0, slots, qkv[:, q_width:].to(cache.dtype))
-            attn = paged_attention(
-                qkv[:, :q_width].to(cache.dtype), cache, plan, self._attend, self._fixed
-            )
+            attn = paged_attention(qkv[:, :q_width], cache, plan, self._attend, self._fixed)
             x.add_(layer.o(attn))
 
             h = F.rms_norm(x, hidden, layer.post_norm, c.rms_norm_eps)

@@ -89,10 +89,15 @@ class ModelRunner:
     @classmethod
     def from_checkpoint(cls, checkpoint, config: EngineConfig) -> "ModelRunner":
         """The Llama model of a loaded checkpoint, with a KV cache sized by the config."""
-        from engine.model import LlamaModel, default_matmul_dtype, kv_cache_bytes_per_block
+        from engine.model import (
+            LlamaModel,
+            default_kv_cache_dtype,
+            default_matmul_dtype,
+            kv_cache_bytes_per_block,
+        )
 
         dtype = getattr(torch, config.dtype)
-        kv_dtype = getattr(torch, config.kv_cache_dtype or config.dtype)
+        kv_dtype = default_kv_cache_dtype(config.kv_cache_dtype, dtype, config.device)
         limit = checkpoint.config.max_position_embeddings
         if config.max_model_len > limit:
             raise ValueError(f"max_model_len={config.max_model_len} exceeds the model's {limit}")

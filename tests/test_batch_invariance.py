@@ -14,7 +14,7 @@ from engine_fixtures import CHAT_PROMPTS, bundled_cache_dir, bundled_checkpoint 
 
 from engine import EngineConfig, LLMEngine, SamplingParams
 from engine.batch_invariant import PROBE_ROWS, make_linears_invariant
-from engine.model import LlamaModel, _Linear, default_matmul_dtype
+from engine.model import LlamaModel, _Linear, default_kv_cache_dtype, default_matmul_dtype
 from engine.model_runner import ModelRunner
 
 MAX_TOKENS = 5
@@ -46,7 +46,8 @@ class Runs:
         self.model = LlamaModel(checkpoint.config, checkpoint.weights,
                                 matmul_dtype=default_matmul_dtype(torch.float32),
                                 batch_invariant=batch_invariant)
-        self.kv_cache = self.model.allocate_kv_cache(self.NUM_BLOCKS, 16)
+        self.kv_cache = self.model.allocate_kv_cache(
+            self.NUM_BLOCKS, 16, default_kv_cache_dtype(None, torch.float32))
         self.batch_invariant = batch_invariant
 
     def engine(self, budget: int) -> LLMEngine:
@@ -161,5 +162,3 @@ def test_linear_paths_are_row_invariant():
 def test_mode_settings_are_checked():
     with pytest.raises(ValueError, match="batch_invariant"):
         EngineConfig(batch_invariant=True, dtype="bfloat16")
-    with pytest.raises(ValueError, match="batch_invariant"):
-        EngineConfig(batch_invariant=True, kv_cache_dtype="bfloat16")

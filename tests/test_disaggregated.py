@@ -21,6 +21,7 @@ from engine.async_engine import AsyncEngine
 from engine.config import EngineConfig
 from engine.disaggregated import DisaggregatedEngine, WorkerFailure
 from engine.llm_engine import LLMEngine
+from engine.model import default_kv_cache_dtype
 from engine.sampling import SamplingParams
 from gateway.services import engine_config
 from provenance.settings import Settings
@@ -90,7 +91,8 @@ def test_greedy_output_equals_colocated_and_blocks_come_back(disagg, colocated):
     assert [o.text for o in got] == [o.text for o in expected]
     assert all(o.finish_reason == "length" for o in got)
     # Every request's KV went over the wire: the prompt's blocks of both layers, K and V.
-    bytes_per_block = 2 * TINY["block_size"] * 2 * 2 * 8 * 4  # layers, tokens, K/V, kv heads, dim, fp32
+    itemsize = default_kv_cache_dtype(None, torch.float32).itemsize  # bf16 on CPUs with bf16
+    bytes_per_block = 2 * TINY["block_size"] * 2 * 2 * 8 * itemsize  # layers, tokens, K/V, heads, dim
     for prompt, out in zip(batch, got, strict=True):
         m = out.metrics
         assert m["kv_transfer"]["bytes"] == -(-len(prompt) // TINY["block_size"]) * bytes_per_block

@@ -23,8 +23,6 @@ namespace {
 
 constexpr int kLanes = 16;  // the fixed lane split of every sum: one AVX-512 register of floats
 
-// kD is the head dimension when known at compile time (64, 128: fully unrolled), else 0 and the
-// runtime `dim` rules; either way the lanes and their sum follow the dimension alone.
 // The lanes' total, in a fixed tree.
 inline float lanes_sum(const float* lane) {
   float half[kLanes / 2];
@@ -34,14 +32,26 @@ inline float lanes_sum(const float* lane) {
   return ((quarter[0] + quarter[2]) + (quarter[1] + quarter[3]));
 }
 
-template <int64_t kD>
-inline float dot(const float* a, const float* b, int64_t dim) {
+// A cache element as float: float32 as is, bfloat16 (its bits in a uint16_t) shifted into the
+// high half of a float32 -- exact.
+inline float to_float(float x) { return x; }
+inline float to_float(uint16_t bits) {
+  const uint32_t wide = static_cast<uint32_t>(bits) << 16;
+  float x;
+  std::memcpy(&x, &wide, sizeof x);
+  return x;
+}
+
+// kD is the head dimension when known at compile time (64, 128: fully unrolled), else 0 and the
+// runtime `dim` rules; either way the lanes and their sum follow the dimension alone.
+template <int64_t kD, typename T>
+inline float dot(const float* a, const T* b, int64_t dim) {
   const int64_t D = kD ? kD : dim;
   float lane[kLanes] = {};
   int64_t d = 0;
   for (; d + kLanes <= D; d += kLanes)
-    for (int l = 0; l < kLanes; ++l) lane[l] += a[d + l] * b[d + l];
-  for (int l = 0; d < D && l < kLanes; ++d, ++l) lane[l] += a[d] * b[d];
+    for (int l = 0; l < kLanes; ++l) lane[l] += a[d + l] * to_float(b[d + l]);
+  for (int l = 0; d < D && l < kLanes; ++d, ++l) lane[l] += a[d] * to_float(b[d]);
   return lanes_sum(lane);
 }
 
@@ -66,7 +76,7 @@ inline float exp_nonpositive(float x) {
 }
 
 struct Layout {
-  const float* kv;
+  const void* kv;  // float or bfloat16 elements
   int64_t block_size, slot_stride, v_offset, kv_heads, max_blocks;
   const int32_t* tables;
 };
@@ -74,7 +84,7 @@ struct Layout {
 // Attention of one query token, all heads, over its keys 0..position, in three passes (scores,
 // softmax, weighted sum of V) whose loops depend only on the position. Heads are the inner loop
 // so each key slot (K, then V, of every KV head) is read front to back once per pass.
-template <int64_t kD>
+template <int64_t kD, typename T>
 void attend(const Layout& L, const float* q, float* out, const int32_t* table, int64_t position,
             int64_t group, int64_t dim, float scale, std::vector<float>& buf) {
   const int64_t D = kD ? kD : dim;
@@ -85,12 +95,12 @@ void attend(const Layout& L, const float* q, float* out, const int32_t* table, i
   // Keys are visited block by block: a division per key would cost more than its dot product.
   auto for_each_key = [&](auto&& visit) {
     for (int64_t first = 0, b = 0; first < n; first += L.block_size, ++b) {
-      const float* slot = L.kv + (int64_t)table[b] * L.block_size * L.slot_stride;
+      const T* slot = static_cast<const T*>(L.kv) + (int64_t)table[b] * L.block_size * L.slot_stride;
       const int64_t last = std::min(n, first + L.block_size);
       for (int64_t j = first; j < last; ++j, slot += L.slot_stride) visit(j, slot);
     }
   };
-  for_each_key([&](int64_t j, const float* k) {
+  for_each_key([&](int64_t j, const T* k) {
     for (int64_t h = 0; h < heads; ++h)
       scores[h * n + j] = dot<kD>(q + h * D, k + h / group * D, D) * scale;
   });
@@ -115,13 +125,13 @@ void attend(const Layout& L, const float* q, float* out, const int32_t* table, i
     for (int64_t j = 0; j < n; ++j) s[j] *= inv;
   }
   std::fill(acc, acc + heads * D, 0.f);
-  for_each_key([&](int64_t j, const float* k) {
-    const float* v = k + L.v_offset;
+  for_each_key([&](int64_t j, const T* k) {
+    const T* v = k + L.v_offset;
     for (int64_t h = 0; h < heads; ++h) {
       const float w = scores[h * n + j];
-      const float* vh = v + h / group * D;
+      const T* vh = v + h / group * D;
       float* a = acc + h * D;
-      for (int64_t d = 0; d < D; ++d) a[d] += w * vh[d];
+      for (int64_t d = 0; d < D; ++d) a[d] += w * to_float(vh[d]);
     }
   });
   std::copy(acc, acc + heads * D, out);
@@ -130,13 +140,14 @@ void attend(const Layout& L, const float* q, float* out, const int32_t* table, i
 }  // namespace
 
 // q: [T, num_heads * head_dim] float32, rows may be strided; cache: [blocks, block_size, 2,
-// kv_heads, head_dim] float32 contiguous; block_tables: [B, max_blocks] int32; token_seq: [T]
+// kv_heads, head_dim] float32 or bfloat16, contiguous; block_tables: [B, max_blocks] int32; token_seq: [T]
 // int32, each query row's sequence; positions: [T] int64, each row attends keys 0..position.
 // Returns [T, num_heads * head_dim].
 torch::Tensor paged_attention(torch::Tensor q, torch::Tensor cache, torch::Tensor block_tables,
                               torch::Tensor token_seq, torch::Tensor positions, double scale) {
-  TORCH_CHECK(q.scalar_type() == torch::kFloat32 && cache.scalar_type() == torch::kFloat32,
-              "fixed-order attention runs in float32");
+  TORCH_CHECK(q.scalar_type() == torch::kFloat32, "q must be float32");
+  const bool bf16 = cache.scalar_type() == torch::kBFloat16;
+  TORCH_CHECK(bf16 || cache.scalar_type() == torch::kFloat32, "the cache must be float32 or bfloat16");
   TORCH_CHECK(q.dim() == 2 && q.stride(1) == 1, "q must be [T, heads * head_dim], rows contiguous");
   TORCH_CHECK(cache.dim() == 5 && cache.is_contiguous(), "cache must be a contiguous 5-D tensor");
   TORCH_CHECK(block_tables.scalar_type() == torch::kInt32 && block_tables.is_contiguous());
@@ -144,7 +155,7 @@ torch::Tensor paged_attention(torch::Tensor q, torch::Tensor cache, torch::Tenso
   TORCH_CHECK(positions.scalar_type() == torch::kInt64 && positions.is_contiguous());
   TORCH_CHECK(q.device().is_cpu() && cache.device().is_cpu(), "fixed-order attention runs on CPU");
   const int64_t num_tokens = q.size(0), head_dim = cache.size(4);
-  Layout L{cache.data_ptr<float>(), cache.size(1), 2 * cache.size(3) * head_dim,
+  Layout L{cache.data_ptr(), cache.size(1), 2 * cache.size(3) * head_dim,
            cache.size(3) * head_dim, cache.size(3), block_tables.size(1),
            block_tables.data_ptr<int32_t>()};
   const int64_t heads = q.size(1) / head_dim;
@@ -165,17 +176,22 @@ torch::Tensor paged_attention(torch::Tensor q, torch::Tensor cache, torch::Tenso
       const float* qt = q_data + t * q_stride;
       float* o = out_data + t * heads * head_dim;
       const int32_t* table = L.tables + seq_of[t] * L.max_blocks;
-      if (head_dim == 64)
-        attend<64>(L, qt, o, table, pos_of[t], group, head_dim, fscale, buf);
+      const int64_t p = pos_of[t];
+      if (bf16 && head_dim == 64)
+        attend<64, uint16_t>(L, qt, o, table, p, group, head_dim, fscale, buf);
+      else if (bf16)
+        attend<0, uint16_t>(L, qt, o, table, p, group, head_dim, fscale, buf);
+      else if (head_dim == 64)
+        attend<64, float>(L, qt, o, table, p, group, head_dim, fscale, buf);
       else if (head_dim == 128)
-        attend<128>(L, qt, o, table, pos_of[t], group, head_dim, fscale, buf);
+        attend<128, float>(L, qt, o, table, p, group, head_dim, fscale, buf);
       else
-        attend<0>(L, qt, o, table, pos_of[t], group, head_dim, fscale, buf);
+        attend<0, float>(L, qt, o, table, p, group, head_dim, fscale, buf);
     }
   });
   return out;
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("paged_attention", &paged_attention, "fixed-order paged attention (float32, CPU)");
+  m.def("paged_attention", &paged_attention, "fixed-order paged attention (CPU; float32 or bfloat16 cache)");
 }
