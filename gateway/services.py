@@ -186,13 +186,14 @@ def numerics(config) -> dict[str, Any]:
     """The engine settings that can change output bits, as receipts record them."""
     import torch
 
-    from engine.model import default_matmul_dtype
+    from engine.model import default_kv_cache_dtype, default_matmul_dtype
 
     dtype = getattr(torch, config.dtype)
+    kv_dtype = default_kv_cache_dtype(config.kv_cache_dtype, dtype, config.device)
     return {
         "dtype": config.dtype,
         "matmul_dtype": str(default_matmul_dtype(dtype, config.device)).removeprefix("torch."),
-        "kv_cache_dtype": config.kv_cache_dtype or config.dtype,
+        "kv_cache_dtype": str(kv_dtype).removeprefix("torch."),
         "device": config.device,
         "block_size": config.block_size,
         "max_num_batched_tokens": config.max_num_batched_tokens,
