@@ -39,8 +39,11 @@ def _module():
         return load(
             name=f"inherent_fixed_order_attention_{_cpu_digest()}",
             sources=[str(SOURCE)],
+            # -fopenmp: at::parallel_for is OpenMP in torch's CPU builds; without the flag its
+            # pragma is dropped and the kernel runs on one thread.
             extra_cflags=["-O3", "-march=native", "-ffp-contract=off", "-fno-math-errno",
-                         "-fno-trapping-math"],
+                          "-fno-trapping-math", "-fopenmp"],
+            extra_ldflags=["-fopenmp"],
             verbose=False,
         )
     except Exception as exc:  # compiler missing or failing: OSError, CalledProcessError, ...

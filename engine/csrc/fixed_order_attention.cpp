@@ -170,9 +170,21 @@ torch::Tensor paged_attention(torch::Tensor q, torch::Tensor cache, torch::Tenso
   float* out_data = out.data_ptr<float>();
   const float fscale = static_cast<float>(scale);
 
-  at::parallel_for(0, num_tokens, 1, [&](int64_t begin, int64_t end) {
+  // Threads take contiguous runs of tokens holding equal shares of the keys to read (a token's
+  // work grows with its position): an even split by token count can leave one thread the long
+  // contexts. Which thread computes a token never changes its bits.
+  const int64_t parts = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), num_tokens));
+  std::vector<int64_t> bounds(parts + 1, num_tokens);
+  bounds[0] = 0;
+  int64_t total = 0, done = 0;
+  for (int64_t t = 0; t < num_tokens; ++t) total += pos_of[t] + 1;
+  for (int64_t t = 0, part = 1; t < num_tokens && part < parts; ++t) {
+    done += pos_of[t] + 1;
+    if (done * parts >= total * part) bounds[part++] = t + 1;
+  }
+  at::parallel_for(0, parts, 1, [&](int64_t first_part, int64_t end_part) {
     std::vector<float> buf;
-    for (int64_t t = begin; t < end; ++t) {
+    for (int64_t t = bounds[first_part]; t < bounds[end_part]; ++t) {
       const float* qt = q_data + t * q_stride;
       float* o = out_data + t * heads * head_dim;
       const int32_t* table = L.tables + seq_of[t] * L.max_blocks;
