@@ -248,7 +248,8 @@ def main() -> None:
     if vllm is not None:
         vllm_out_tokens = sum(map(len, vllm["outputs"]))
         vllm_tok_s = vllm_out_tokens / vllm["elapsed"]
-        # vLLM runs bf16, the engine --dtype (fp32 by default): greedy outputs may part early.
+        # vLLM runs all of it in bf16, the engine only its matmuls and KV (on bf16 CPUs):
+        # greedy outputs may part early.
         exact, prefix = agreement(ours["outputs"], vllm["outputs"])
         print(f"load average after the vLLM run: {os.getloadavg()[0]:.1f}")
         print(f"vLLM CPU:     {vllm['elapsed']:.1f} s, {vllm_tok_s:.1f} output tok/s, "

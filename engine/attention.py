@@ -183,14 +183,15 @@ def build_plan(
         rows = _FixedRows(slice(0, starts[-1]), seq, batch.positions)
         return AttentionPlan(None, [], [], starts[-1], rows, batch.block_tables)
 
-    decodes = sorted((i for i, n in enumerate(query_lens) if n == 1), key=lambda i: context_lens[i])
+    decodes = [i for i, n in enumerate(query_lens) if n == 1]
     fixed_rows = None
     if decodes and fixed == FIXED_DECODES:
-        decodes.sort()  # no chunks to pad: keep batch order, often one contiguous slice
+        # no chunks to pad: batch order, often one contiguous slice
         rows = _rows([starts[i] for i in decodes], device)
         seq = torch.tensor(decodes, dtype=torch.int32, device=device)
         fixed_rows = _FixedRows(rows, seq, batch.positions[rows])
         decodes = []
+    decodes.sort(key=lambda i: context_lens[i])  # SDPA chunks pad to their longest context
 
     decode_rows = None
     decode_chunks = []
@@ -271,7 +272,8 @@ def paged_attention(
             k, v = _gather_kv(cache, chunk, q.dtype)
             outs.append(attend(q_dec[first : first + chunk.num_seqs], k, v, chunk.mask))
             first += chunk.num_seqs
-        parts.append((plan.decode_rows, torch.cat(outs).view(-1, width)))
+        decoded = outs[0] if len(outs) == 1 else torch.cat(outs)
+        parts.append((plan.decode_rows, decoded.view(-1, width)))
     if len(parts) == 1 and not plan.prefills:
         rows, out = parts[0]
         if isinstance(rows, slice) and rows == slice(0, plan.num_tokens):

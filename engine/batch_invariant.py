@@ -50,14 +50,10 @@ def make_linears_invariant(linears: Iterable) -> dict[tuple, str]:
     chosen: dict[tuple, str] = {}
     for linear in linears:
         shape = (linear.out_features, linear.in_features, str(linear.dtype).removeprefix("torch."))
-        if shape not in chosen:
+        if shape not in chosen:  # probe the "rows" path on the first linear of this shape
             linear.min_rows, linear.row_tile = 2, None
-            ok = _probe(linear, linear.in_features, linear.dtype)
-            chosen[shape] = "rows" if ok else "tiles"
-        if chosen[shape] == "rows":
-            linear.min_rows, linear.row_tile = 2, None
-        else:
-            linear.min_rows, linear.row_tile = 0, ROW_TILE
+            chosen[shape] = "rows" if _probe(linear, linear.in_features, linear.dtype) else "tiles"
+        linear.min_rows, linear.row_tile = (2, None) if chosen[shape] == "rows" else (0, ROW_TILE)
     return chosen
 
 

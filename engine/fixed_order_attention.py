@@ -77,7 +77,8 @@ def paged_attention(
 ) -> torch.Tensor:
     """Each row of ``q`` [T, heads * head_dim] attends its sequence's keys 0..position.
 
-    ``cache`` [blocks, block_size, 2, kv_heads, head_dim] float32; ``block_tables`` [B, max]
+    ``cache`` [blocks, block_size, 2, kv_heads, head_dim] float32 or bfloat16 (q and the result
+    are float32); ``block_tables`` [B, max]
     int32; ``token_seq`` [T] int32 (row -> sequence); ``positions`` [T] int64.
     """
     return _module().paged_attention(q, cache, block_tables, token_seq, positions, scale)

@@ -22,8 +22,8 @@ Precision: ``dtype`` is the weights' and activations' type (float32 or bfloat16)
 ``matmul_dtype`` the decoder matmuls' (default: ``dtype``). A float32 model with bfloat16 matmuls
 is what the engine runs on CPUs with native bf16 (AVX512-BF16/AMX, see
 :func:`default_matmul_dtype`): the residual stream, norms, RoPE, attention and LM head stay in
-float32. The KV cache may have its own dtype (e.g. bf16 beside fp32 weights); attention then runs
-in that dtype.
+float32. The KV cache may have its own dtype (bf16 by default beside bf16 matmuls); attention
+reads it in the activations' dtype.
 
 Batch invariance: by default a token's logits can depend on its companions (oneDNN reduces one
 row differently from several, SDPA's blocking follows the padded key length).
@@ -347,8 +347,7 @@ class LlamaModel:
             norms = (get(p + "input_layernorm.weight"), get(p + "post_attention_layernorm.weight"))
             self.num_parameters += sum(t.numel() for t in (*mats, *norms))
             self.decode_weight_bytes += sum(t.numel() for t in norms) * norms[0].element_size()
-            self.decode_weight_bytes += sum(m.numel() for m in mats) * torch.empty(
-                (), dtype=self.matmul_dtype).element_size()
+            self.decode_weight_bytes += sum(m.numel() for m in mats) * self.matmul_dtype.itemsize
             linears = (_Linear(m.to(self.matmul_dtype)) for m in mats)
             self.layers.append(_Layer(norms[0], norms[1], *linears))
 
@@ -360,13 +359,12 @@ class LlamaModel:
         # [positions, 1, head_dim / 2] complex: broadcasts over the heads of q and k
         self.rope = torch.polar(torch.ones_like(angles), angles).unsqueeze(1)
 
-        self.linear_paths: dict[tuple[int, int], str] = {}
         if batch_invariant:
             check_rms_norm(c.hidden_size, c.rms_norm_eps, dtype)
             linears = [self.lm_head]
             for layer in self.layers:
                 linears += [layer.qkv, layer.o, layer.gate_up, layer.down]
-            self.linear_paths = make_linears_invariant(linears)
+            make_linears_invariant(linears)
 
     def allocate_kv_cache(
         self, num_blocks: int, block_size: int, dtype: torch.dtype | None = None
