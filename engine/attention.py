@@ -16,8 +16,8 @@ Two kernels:
 * torch SDPA (or xformers on CUDA) over gathered blocks, for prefill chunks (many queries share
   each key: a matmul wins) and for decodes where the fixed-order kernel is unavailable. For each
   chunk of sequences: the physical blocks to gather (whole blocks: one contiguous copy each) and
-  the boolean mask "key position <= query position". Decodes are sorted by context length, up to
-  ``DECODE_CHUNK_SEQS`` per call; each multi-token prefill chunk goes on its own and sees its
+  the mask "key position <= query position", as an additive bias. Decodes are sorted by context
+  length, up to ``DECODE_CHUNK_SEQS`` per call; each multi-token prefill chunk goes on its own and sees its
   sequence's cached prefix and, causally, itself. Grouped-query attention costs no copy of K/V:
   the query heads sharing a KV head become that head's query rows. Here a row's bits can depend
   on its companions through the padded key length of its chunk (masked keys add exact zeros,
@@ -26,6 +26,9 @@ Two kernels:
 
 from __future__ import annotations
 
+import ctypes
+import functools
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from itertools import pairwise
@@ -35,7 +38,8 @@ import torch.nn.functional as F
 
 from engine.forward_batch import ForwardBatch
 
-# attend(q [N, kv_heads, Mq, D], k [N, kv_heads, Mk, D], v, mask bool [N, 1, Mq, Mk]) -> [N, kv_heads, Mq, D]
+# attend(q [N, kv_heads, Mq, D], k [N, kv_heads, Mk, D], v, bias [N, 1, Mq, Mk]) -> [N, kv_heads, Mq, D]
+# bias is additive, in q's dtype: 0 where a query may attend a key, -inf where it may not.
 AttendFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 # fixed(q [R, heads * D], cache, block_tables [B, max] int32, row_seq [R] int32,
 #       positions [R] int64, scale) -> [R, heads * D]; see engine/fixed_order_attention.py
@@ -56,30 +60,65 @@ def allocate_kv_cache(
 ) -> list[torch.Tensor]:
     """One zeroed ``[num_blocks, block_size, 2, num_kv_heads, head_dim]`` tensor per layer.
 
-    Zeroed, not empty: padded key slots are masked out, and 0 * garbage could be NaN.
+    Zeroed, not empty: padded key slots are masked out, and 0 * garbage could be NaN. On a
+    Linux CPU the tensors sit on transparent huge pages where the kernel allows it.
     """
     shape = (num_blocks, block_size, 2, num_kv_heads, head_dim)
+    if torch.device(device).type == "cpu":
+        return [_huge_page_zeros(shape, dtype) for _ in range(num_layers)]
     return [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
 
 
+_HUGE_PAGE = 2 << 20
+_MADV_HUGEPAGE = 14
+
+
+@functools.cache
+def _madvise():
+    try:
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+    except OSError:  # not glibc
+        return None
+    libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    return libc.madvise
+
+
+def _huge_page_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """Zeros on 2 MB pages where the OS grants them (transparent huge pages in "madvise" mode).
+
+    Decode attention reads scattered blocks: with 4 KB pages nearly every block costs TLB
+    misses. Measured, 64 decodes over a bf16 cache of 20 MB per layer on 2 cores: 2.17 ms per
+    layer on 4 KB pages, 1.99 ms on 2 MB pages. The buffer is aligned to 2 MB and advised
+    before it is first touched (the zeroing), so the page faults allocate huge pages.
+    """
+    nbytes = math.prod(shape) * dtype.itemsize
+    madvise = _madvise()
+    if madvise is None or nbytes < _HUGE_PAGE:
+        return torch.zeros(shape, dtype=dtype)
+    raw = torch.empty(nbytes + _HUGE_PAGE, dtype=torch.uint8)
+    offset = -raw.data_ptr() % _HUGE_PAGE
+    madvise(raw.data_ptr() + offset, nbytes // _HUGE_PAGE * _HUGE_PAGE, _MADV_HUGEPAGE)  # advisory
+    return raw[offset : offset + nbytes].view(dtype).view(shape).zero_()
+
+
 def _torch_attend(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor
 ) -> torch.Tensor:
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=bias)
 
 
 def _xformers_attend(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor
 ) -> torch.Tensor:
     import xformers.ops as xops
 
     n, heads, mq, mk = q.shape[0], q.shape[1], q.shape[2], k.shape[2]
-    # xformers wants an additive bias whose last dim is allocated to a multiple of 8.
+    # xformers wants the bias per head, its last dim allocated to a multiple of 8.
     padded = (mk + 7) // 8 * 8
-    bias = torch.zeros(n, heads, mq, padded, dtype=q.dtype, device=q.device)[..., :mk]
-    bias.masked_fill_(~mask, float("-inf"))
+    per_head = torch.empty(n, heads, mq, padded, dtype=q.dtype, device=q.device)[..., :mk]
+    per_head.copy_(bias.expand(n, heads, mq, mk))
     out = xops.memory_efficient_attention(
-        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_bias=bias
+        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_bias=per_head
     )
     return out.transpose(1, 2)
 
@@ -110,7 +149,7 @@ class _Chunk:
     """Sequences attended by one SDPA call."""
 
     blocks: torch.Tensor  # [N * num_blocks] physical block ids to gather, N sequences in a row
-    mask: torch.Tensor  # [N, 1, Mq, keys] bool, True = may attend
+    bias: torch.Tensor  # [N, 1, Mq, keys] additive: 0 = may attend, -inf = may not
     num_seqs: int
     keys: int  # num_blocks * block_size: padded to whole blocks, the mask hides the tail
 
@@ -147,16 +186,23 @@ def _chunk(
     query_positions: torch.Tensor,
     block_size: int,
     group: int,
+    dtype: torch.dtype,
 ) -> _Chunk:
-    """block_tables [N, max_blocks]; query_positions [N, Mq]; masks key position <= query position."""
+    """block_tables [N, max_blocks]; query_positions [N, Mq]; masks key position <= query position.
+
+    The mask is built once per step as the additive bias SDPA applies (a boolean mask is turned
+    into one inside every call: 20% of a prefill chunk's attention, 128 queries x 512 keys).
+    """
     num_blocks = (max(context_lens) + block_size - 1) // block_size
     blocks = block_tables[:, :num_blocks].clamp(min=0).reshape(-1)
     keys = num_blocks * block_size
     key_positions = torch.arange(keys, device=block_tables.device)
-    mask = key_positions <= query_positions[:, :, None]  # [N, Mq, keys]
+    hidden = key_positions > query_positions[:, :, None]  # [N, Mq, keys]
     if group > 1:  # the query heads of one KV head are stacked as `group` copies of the rows
-        mask = mask.repeat(1, group, 1)
-    return _Chunk(blocks, mask.unsqueeze(1), len(context_lens), keys)
+        hidden = hidden.repeat(1, group, 1)
+    bias = torch.zeros(hidden.shape, dtype=dtype, device=hidden.device)
+    bias.masked_fill_(hidden, float("-inf"))
+    return _Chunk(blocks, bias.unsqueeze(1), len(context_lens), keys)
 
 
 def _rows(rows: list[int], device: torch.device) -> slice | torch.Tensor:
@@ -167,10 +213,15 @@ def _rows(rows: list[int], device: torch.device) -> slice | torch.Tensor:
 
 
 def build_plan(
-    batch: ForwardBatch, block_size: int, group: int, fixed: str = FIXED_NONE
+    batch: ForwardBatch,
+    block_size: int,
+    group: int,
+    fixed: str = FIXED_NONE,
+    dtype: torch.dtype = torch.float32,
 ) -> AttentionPlan:
     """Everything attention needs that is the same for every layer of this step. ``fixed``
-    names the rows the fixed-order kernel takes (FIXED_NONE, FIXED_DECODES or FIXED_ALL)."""
+    names the rows the fixed-order kernel takes (FIXED_NONE, FIXED_DECODES or FIXED_ALL);
+    ``dtype`` is the queries' (SDPA's masks are built in it)."""
     device = batch.input_ids.device
     starts = batch.query_start.tolist()
     query_lens = [e - s for s, e in pairwise(starts)]
@@ -208,6 +259,7 @@ def build_plan(
                     positions[first : first + len(seqs)],
                     block_size,
                     1,
+                    dtype,
                 )
             )
 
@@ -221,6 +273,7 @@ def build_plan(
                 batch.positions[rows].view(1, n),
                 block_size,
                 group,
+                dtype,
             )
             prefills.append(_Prefill(rows, chunk, n))
     return AttentionPlan(
@@ -270,7 +323,7 @@ def paged_attention(
         outs, first = [], 0
         for chunk in plan.decode_chunks:
             k, v = _gather_kv(cache, chunk, q.dtype)
-            outs.append(attend(q_dec[first : first + chunk.num_seqs], k, v, chunk.mask))
+            outs.append(attend(q_dec[first : first + chunk.num_seqs], k, v, chunk.bias))
             first += chunk.num_seqs
         decoded = outs[0] if len(outs) == 1 else torch.cat(outs)
         parts.append((plan.decode_rows, decoded.view(-1, width)))
@@ -288,6 +341,6 @@ def paged_attention(
         # [n, kv_heads, group, D] -> [1, kv_heads, group * n, D]
         q_pre = q[p.rows].view(n, num_kv_heads, group, head_dim).permute(1, 2, 0, 3)
         q_pre = q_pre.reshape(1, num_kv_heads, group * n, head_dim)
-        o = attend(q_pre, k, v, p.chunk.mask).view(num_kv_heads, group, n, head_dim)
+        o = attend(q_pre, k, v, p.chunk.bias).view(num_kv_heads, group, n, head_dim)
         out[p.rows] = o.permute(2, 0, 1, 3).reshape(n, width)
     return out

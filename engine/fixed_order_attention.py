@@ -67,6 +67,11 @@ def available() -> bool:
     return True
 
 
+def vectorized() -> bool:
+    """Whether the build has the AVX-512 implementation (head sizes 64 and 128)."""
+    return _module().vectorized
+
+
 def paged_attention(
     q: torch.Tensor,
     cache: torch.Tensor,
@@ -74,11 +79,15 @@ def paged_attention(
     token_seq: torch.Tensor,
     positions: torch.Tensor,
     scale: float,
+    *,
+    portable: bool = False,
 ) -> torch.Tensor:
     """Each row of ``q`` [T, heads * head_dim] attends its sequence's keys 0..position.
 
     ``cache`` [blocks, block_size, 2, kv_heads, head_dim] float32 or bfloat16 (q and the result
-    are float32); ``block_tables`` [B, max]
-    int32; ``token_seq`` [T] int32 (row -> sequence); ``positions`` [T] int64.
+    are float32); ``block_tables`` [B, max] int32; ``token_seq`` [T] int32 (row -> sequence);
+    ``positions`` [T] int64. ``portable`` forces the portable implementation, which computes
+    the same bits as the vectorized one (tests check that).
     """
-    return _module().paged_attention(q, cache, block_tables, token_seq, positions, scale)
+    return _module().paged_attention(q, cache, block_tables, token_seq, positions, scale,
+                                     portable)

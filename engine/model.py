@@ -396,7 +396,7 @@ class LlamaModel:
             fixed = FIXED_DECODES
         else:
             fixed = FIXED_NONE
-        plan = build_plan(batch, block_size, c.num_heads // c.num_kv_heads, fixed)
+        plan = build_plan(batch, block_size, c.num_heads // c.num_kv_heads, fixed, self.dtype)
         rope = self.rope[batch.positions]
         slots = batch.slot_mapping
         act_dtype = self.dtype
