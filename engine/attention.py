@@ -42,7 +42,7 @@ from engine.forward_batch import ForwardBatch
 # bias is additive, in q's dtype: 0 where a query may attend a key, -inf where it may not.
 AttendFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 # fixed(q [R, heads * D], cache, block_tables [B, max] int32, row_seq [R] int32,
-#       positions [R] int64, scale) -> [R, heads * D]; see engine/fixed_order_attention.py
+#       positions [R] int64, scale) -> [R, heads * D]; see engine/cpu_kernels.py
 FixedFn = Callable[..., torch.Tensor]
 
 # Which rows the fixed-order kernel attends.

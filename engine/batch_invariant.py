@@ -13,8 +13,9 @@ every op that reduces over something gets an order fixed by the token alone:
   and :func:`make_linears_invariant` proves the property for each weight shape at start-up over
   row counts from 2 to 257 -- where it fails (another backend, another CPU), that shape falls
   back to fixed tiles of ``ROW_TILE`` rows, invariant by construction;
-* RMSNorm is row-local in torch (one row's reduction never splits across threads at these
-  widths); the start-up probe checks it too and refuses the mode where it is not;
+* RMSNorm and the other element-wise work between matmuls run in the fused C++ layer ops
+  (engine/csrc/layer_ops.cpp): one row at a time, sums in a fixed order; the start-up probe
+  checks the norm too and refuses the mode where it is not row-invariant;
 * sampling is per row already (engine/sampler.py), and matmul precision never depends on the
   step (bf16 at every step on CPUs with native bf16, see engine.model.default_matmul_dtype).
 
@@ -26,7 +27,6 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 import torch
-import torch.nn.functional as F
 
 PROBE_ROWS = (2, 3, 7, 16, 33, 64, 65, 192, 257)
 ROW_TILE = 64  # rows per matmul call in the tile fallback
@@ -57,9 +57,10 @@ def make_linears_invariant(linears: Iterable) -> dict[tuple, str]:
     return chosen
 
 
-def check_rms_norm(width: int, eps: float, dtype: torch.dtype) -> None:
+def check_rms_norm(add_rms_norm, width: int, eps: float, dtype: torch.dtype) -> None:
+    """Refuse the mode unless ``add_rms_norm`` (engine.layer_ops) is row-invariant."""
     weight = torch.ones(width, dtype=dtype)
-    if not _probe(lambda x: F.rms_norm(x, (width,), weight, eps), width, dtype):
+    if not _probe(lambda x: add_rms_norm(x.clone(), None, weight, eps, dtype), width, dtype):
         raise BatchInvarianceUnsupported(
             "RMSNorm rows depend on the row count in this torch build; batch_invariant is "
             "not available here"

@@ -41,7 +41,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from engine import fixed_order_attention
+from engine import cpu_kernels
 from engine.attention import (
     FIXED_ALL,
     FIXED_DECODES,
@@ -57,6 +57,7 @@ from engine.batch_invariant import (
     make_linears_invariant,
 )
 from engine.forward_batch import ForwardBatch
+from engine.layer_ops import KernelLayerOps, TorchLayerOps
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral")
 
@@ -308,13 +309,11 @@ class LlamaModel:
                 f"{self.device.type}, dtype {dtype})")
         self.matmul_dtype = matmul_dtype or dtype
         self.attention_backend, self._attend = select_attend(self.device)
-        # The fixed-order kernel takes the decodes (faster than SDPA there) and, in batch-
-        # invariant mode, every row.
-        self._fixed = None
-        if self.device.type == "cpu" and fixed_order_attention.available():
-            self._fixed = fixed_order_attention.paged_attention
-        elif batch_invariant:
-            fixed_order_attention.ensure_built()  # raises with the compiler's reason
+        # The C++ kernels: fixed-order attention takes the decodes (faster than SDPA there)
+        # and, in batch-invariant mode, every row; fused layer ops do the element-wise work.
+        self._kernels = self.device.type == "cpu" and cpu_kernels.available()
+        if batch_invariant and not self._kernels:
+            cpu_kernels.ensure_built()  # raises with the compiler's reason
         if self.device.type == "cpu":
             keep_freed_memory()
 
@@ -358,9 +357,11 @@ class LlamaModel:
         )
         # [positions, 1, head_dim / 2] complex: broadcasts over the heads of q and k
         self.rope = torch.polar(torch.ones_like(angles), angles).unsqueeze(1)
+        self._torch_ops = TorchLayerOps(self.rope, dtype)
+        self._kernel_ops = KernelLayerOps(self.rope) if self._kernels else None
 
         if batch_invariant:
-            check_rms_norm(c.hidden_size, c.rms_norm_eps, dtype)
+            check_rms_norm(cpu_kernels.add_rms_norm, c.hidden_size, c.rms_norm_eps, dtype)
             linears = [self.lm_head]
             for layer in self.layers:
                 linears += [layer.qkv, layer.o, layer.gate_up, layer.down]
@@ -380,49 +381,34 @@ class LlamaModel:
         Writes this step's K/V into ``kv_cache`` at ``batch.slot_mapping``.
         """
         c = self.config
-        num_tokens = batch.input_ids.shape[0]
-        q_width = c.num_heads * c.head_dim
-        qk_heads = c.num_heads + c.num_kv_heads
-        hidden = (c.hidden_size,)
-        inter = c.intermediate_size
         block_size = kv_cache[0].shape[1]
-        fixed_ok = (self._fixed is not None and self.dtype == torch.float32
-                    and kv_cache[0].dtype in (torch.float32, torch.bfloat16))
+        kernels = (self._kernels and self.dtype == torch.float32
+                   and kv_cache[0].dtype in (torch.float32, torch.bfloat16))
         if self.batch_invariant:
-            if not fixed_ok:
+            if not kernels:
                 raise BatchInvarianceUnsupported("batch_invariant needs a float32 or bf16 KV cache")
             fixed = FIXED_ALL
-        elif fixed_ok:
-            fixed = FIXED_DECODES
         else:
-            fixed = FIXED_NONE
+            fixed = FIXED_DECODES if kernels else FIXED_NONE
+        ops = self._kernel_ops if kernels else self._torch_ops
+        attend_fixed = cpu_kernels.paged_attention if kernels else None
         plan = build_plan(batch, block_size, c.num_heads // c.num_kv_heads, fixed, self.dtype)
-        rope = self.rope[batch.positions]
-        slots = batch.slot_mapping
-        act_dtype = self.dtype
+        eps, matmul_dtype = c.rms_norm_eps, self.matmul_dtype
 
+        # The residual stream x takes each sublayer's output (delta) inside the next norm.
         x = F.embedding(batch.input_ids, self.embed)
+        delta = None
         for layer, cache in zip(self.layers, kv_cache, strict=True):
-            h = F.rms_norm(x, hidden, layer.input_norm, c.rms_norm_eps)
-            qkv = layer.qkv(h).to(act_dtype)
-            qk = qkv[:, : qk_heads * c.head_dim].view(num_tokens, qk_heads, c.head_dim // 2, 2)
-            if act_dtype == torch.float32:
-                torch.view_as_complex(qk).mul_(rope)
-            else:  # no bf16 complex type: rotate in float32
-                qk.copy_(torch.view_as_real(torch.view_as_complex(qk.float()) * rope))
-            flat_cache = cache.view(cache.shape[0] * block_size, -1)
-            flat_cache.index_copy_(0, slots, qkv[:, q_width:].to(cache.dtype))
-            attn = paged_attention(qkv[:, :q_width], cache, plan, self._attend, self._fixed)
-            x.add_(layer.o(attn))
-
-            h = F.rms_norm(x, hidden, layer.post_norm, c.rms_norm_eps)
-            gate_up = layer.gate_up(h)
-            act = F.silu(gate_up[:, :inter])
-            act.mul_(gate_up[:, inter:])
-            x.add_(layer.down(act))
+            h = ops.add_rms_norm(x, delta, layer.input_norm, eps, matmul_dtype)
+            q = ops.rope_write(layer.qkv(h), batch.positions, batch.slot_mapping, cache,
+                               c.num_heads)
+            attn = paged_attention(q, cache, plan, self._attend, attend_fixed)
+            h = ops.add_rms_norm(x, layer.o(attn), layer.post_norm, eps, matmul_dtype)
+            delta = layer.down(ops.silu_mul(layer.gate_up(h)))
 
         rows = x.index_select(0, batch.logits_indices)
-        rows = F.rms_norm(rows, hidden, self.final_norm, c.rms_norm_eps)
+        rows = ops.add_rms_norm(rows, delta.index_select(0, batch.logits_indices),
+                                self.final_norm, eps, rows.dtype)
         return self.lm_head(rows).float()
 
     __call__ = forward

@@ -196,6 +196,8 @@ async def test_killing_the_decode_worker_fails_its_stream_and_the_engine_recover
                     streamed += len(out.token_ids)
                     if streamed >= 3 and killed_at is None:
                         pids = engine.worker_pids()
+                        # frozen too, so that its stream cannot finish before the kill
+                        os.kill(pids["decode"], signal.SIGSTOP)
                         os.kill(pids["prefill"], signal.SIGSTOP)
                         rerun = asyncio.create_task(tokens(waiting))
                         await asyncio.sleep(0.3)  # dispatched to the frozen prefill worker
@@ -340,7 +342,9 @@ def test_greedy_output_equals_colocated_on_the_bundled_model():
         got = engine.generate(batch, params)
         assert [o.token_ids for o in got] == [o.token_ids for o in expected]
         assert [o.text for o in got] == [o.text for o in expected]
-        assert "Paris" in got[0].text
+        # real text (not prompt 0: its first token is a near-tie, "The" 25.19 against "L" 25.15
+        # in these numerics, that any change of kernel arithmetic may flip)
+        assert "sea" in got[1].text
         assert all(o.metrics["kv_transfer"]["bytes"] > 0 for o in got)
         assert_blocks_freed(engine)
     finally:

@@ -414,7 +414,9 @@ def chat_ids(checkpoint, text: str) -> list[int]:
 def test_smollm_answers_and_chunked_equals_unchunked(smollm):
     # Equal greedy output across chunkings is what batch-invariant mode promises; by default a
     # near-tie may flip (bf16 matmuls and SDPA reduce by the step's shape).
-    question = chat_ids(smollm, "What is the capital of France?")
+    # Not the bare question: its first token is a near-tie ("The" against "L", 0.02 apart in
+    # these numerics); with this one the greedy path never comes within 0.89 of another token.
+    question = chat_ids(smollm, "What is the capital of France? Answer in one sentence.")
     engine = engine_on(smollm, block_size=16, max_model_len=1024, max_num_batched_tokens=128,
                        batch_invariant=True)
     out = engine.generate([question], SamplingParams(temperature=0, max_tokens=20))[0]

@@ -16,61 +16,19 @@
 // products' lane vectors are summed by one transposing tree whose additions are lanes_sum's,
 // instead of 16 horizontal sums, and V is accumulated in registers. Tests compare the two bit
 // for bit. Built with -ffp-contract=off so the compiler fuses nothing we did not write.
-#include <torch/extension.h>
+#include "kernels.h"
+
 #include <ATen/Parallel.h>
 
 #if defined(__AVX512F__)
 #include <immintrin.h>
 #endif
 
-#include <algorithm>
-#include <cmath>
-#include <cstdint>
-#include <cstring>
 #include <vector>
 
 namespace {
 
-constexpr int kLanes = 16;  // the fixed lane split of every sum: one AVX-512 register of floats
-
-// The lanes' total, in a fixed tree.
-inline float lanes_sum(const float* lane) {
-  float half[kLanes / 2];
-  for (int l = 0; l < kLanes / 2; ++l) half[l] = lane[l] + lane[l + kLanes / 2];
-  float quarter[kLanes / 4];
-  for (int l = 0; l < kLanes / 4; ++l) quarter[l] = half[l] + half[l + kLanes / 4];
-  return ((quarter[0] + quarter[2]) + (quarter[1] + quarter[3]));
-}
-
-// A cache element as float: float32 as is, bfloat16 (its bits in a uint16_t) shifted into the
-// high half of a float32 -- exact.
-inline float to_float(float x) { return x; }
-inline float to_float(uint16_t bits) {
-  const uint32_t wide = static_cast<uint32_t>(bits) << 16;
-  float x;
-  std::memcpy(&x, &wide, sizeof x);
-  return x;
-}
-
-// e^x for x <= 0 (a score minus its row's maximum), Cephes' single-precision polynomial: about
-// 1 ulp, branch-free, so a loop of it vectorizes (glibc's expf is a call per element).
-inline float exp_nonpositive(float x) {
-  x = std::max(x, -87.0f);  // e^-87 ~ 1.6e-38: the smallest normal float, no denormals
-  const float k = static_cast<float>(static_cast<int32_t>(x * 1.44269504088896341f - 0.5f));
-  float r = std::fma(k, -0.693359375f, x);  // x - k ln 2, ln 2 split in two for accuracy
-  r = std::fma(k, 2.12194440e-4f, r);
-  float p = 1.9875691500e-4f;
-  p = std::fma(p, r, 1.3981999507e-3f);
-  p = std::fma(p, r, 8.3334519073e-3f);
-  p = std::fma(p, r, 4.1665795894e-2f);
-  p = std::fma(p, r, 1.6666665459e-1f);
-  p = std::fma(p, r, 5.0000001201e-1f);
-  const float y = std::fma(p, r * r, r) + 1.0f;
-  const int32_t bits = (static_cast<int32_t>(k) + 127) << 23;  // 2^k
-  float scale;
-  std::memcpy(&scale, &bits, sizeof scale);
-  return y * scale;
-}
+using namespace inherent;
 
 // Scores of one head over keys 0..n-1, in place: softmax.
 inline void softmax(float* s, int64_t n) {
@@ -337,9 +295,4 @@ torch::Tensor paged_attention(torch::Tensor q, torch::Tensor cache, torch::Tenso
   return out;
 }
 
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("paged_attention", &paged_attention, "fixed-order paged attention (CPU; float32 or bfloat16 cache)",
-        py::arg("q"), py::arg("cache"), py::arg("block_tables"), py::arg("token_seq"),
-        py::arg("positions"), py::arg("scale"), py::arg("portable") = false);
-  m.attr("vectorized") = kVectorized;
-}
+bool paged_attention_vectorized() { return kVectorized; }

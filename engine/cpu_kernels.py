@@ -1,7 +1,11 @@
-"""Build and call the fixed-order paged attention kernel (engine/csrc/fixed_order_attention.cpp).
+"""Build and call the engine's C++ CPU kernels (engine/csrc/).
+
+* :func:`paged_attention`, the fixed-order paged attention (fixed_order_attention.cpp);
+* :func:`add_rms_norm`, :func:`rope_write` and :func:`silu_mul`, the fused element-wise work
+  between a decoder layer's matmuls (layer_ops.cpp).
 
 Compiled on first use with the system C++ compiler through torch's extension loader and cached
-under ``TORCH_EXTENSIONS_DIR`` (default ``~/.cache/torch_extensions``): about 40 s once per
+under ``TORCH_EXTENSIONS_DIR`` (default ``~/.cache/torch_extensions``): about a minute once per
 machine and source version, a fraction of a second after. It is built for the CPU it runs on
 (``-march=native``), so the build's name carries a digest of the CPU's flags: a home directory
 shared by different machines never loads a build with instructions its CPU lacks.
@@ -15,11 +19,12 @@ from pathlib import Path
 
 import torch
 
-SOURCE = Path(__file__).parent / "csrc" / "fixed_order_attention.cpp"
+SOURCES = [Path(__file__).parent / "csrc" / name
+           for name in ("fixed_order_attention.cpp", "layer_ops.cpp", "bindings.cpp")]
 
 
 class KernelUnavailable(RuntimeError):
-    """The kernel could not be built here (no compiler, or not a CPU build)."""
+    """The kernels could not be built here (no compiler, or not a CPU build)."""
 
 
 def _cpu_digest() -> str:
@@ -37,29 +42,28 @@ def _module():
 
     try:
         return load(
-            name=f"inherent_fixed_order_attention_{_cpu_digest()}",
-            sources=[str(SOURCE)],
+            name=f"inherent_cpu_kernels_{_cpu_digest()}",
+            sources=[str(s) for s in SOURCES],
             # -fopenmp: at::parallel_for is OpenMP in torch's CPU builds; without the flag its
-            # pragma is dropped and the kernel runs on one thread.
+            # pragma is dropped and the kernels run on one thread. -ffp-contract=off: the
+            # compiler fuses no multiply-add we did not write (fixed-order arithmetic).
             extra_cflags=["-O3", "-march=native", "-ffp-contract=off", "-fno-math-errno",
                           "-fno-trapping-math", "-fopenmp"],
             extra_ldflags=["-fopenmp"],
             verbose=False,
         )
     except Exception as exc:  # compiler missing or failing: OSError, CalledProcessError, ...
-        raise KernelUnavailable(
-            f"could not build the fixed-order attention kernel ({SOURCE.name}): {exc}"
-        ) from exc
+        raise KernelUnavailable(f"could not build the CPU kernels (engine/csrc): {exc}") from exc
 
 
 def ensure_built() -> None:
-    """Build (or load) the kernel now, so a failure shows at engine start, not mid-request."""
+    """Build (or load) the kernels now, so a failure shows at engine start, not mid-request."""
     _module()
 
 
 @functools.cache
 def available() -> bool:
-    """Whether the kernel builds here (once per process; a failure is remembered)."""
+    """Whether the kernels build here (once per process; a failure is remembered)."""
     try:
         ensure_built()
     except KernelUnavailable:
@@ -68,7 +72,7 @@ def available() -> bool:
 
 
 def vectorized() -> bool:
-    """Whether the build has the AVX-512 implementation (head sizes 64 and 128)."""
+    """Whether the attention kernel has its AVX-512 implementation (head sizes 64 and 128)."""
     return _module().vectorized
 
 
@@ -91,3 +95,27 @@ def paged_attention(
     """
     return _module().paged_attention(q, cache, block_tables, token_seq, positions, scale,
                                      portable)
+
+
+def add_rms_norm(
+    x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float,
+    out_dtype: torch.dtype,
+) -> torch.Tensor:
+    """``x += delta`` in place (float32 residual stream; delta float32 or bfloat16, or None),
+    then RMSNorm of ``x`` times ``weight``, returned in ``out_dtype`` (float32 or bfloat16)."""
+    return _module().add_rms_norm(x, delta, weight, eps, out_dtype == torch.bfloat16)
+
+
+def rope_write(
+    qkv: torch.Tensor, cos_sin: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
+    cache: torch.Tensor, num_heads: int,
+) -> torch.Tensor:
+    """RoPE on the q and k heads of ``qkv`` [T, (heads + 2 kv_heads) * D] (pairs side by side),
+    k and v written into the cache at ``slots``; returns q [T, heads * D] float32.
+    ``cos_sin`` [positions, D / 2, 2] float32."""
+    return _module().rope_write(qkv, cos_sin, positions, slots, cache, num_heads)
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """``silu(gate) * up`` of ``gate_up`` [T, 2 I] (gate, then up), in its dtype."""
+    return _module().silu_mul(gate_up)

@@ -1,0 +1,16 @@
+// The Python module of the CPU kernels, built by engine/cpu_kernels.py.
+#include "kernels.h"
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("paged_attention", &paged_attention,
+        "fixed-order paged attention (CPU; float32 or bfloat16 cache)", py::arg("q"),
+        py::arg("cache"), py::arg("block_tables"), py::arg("token_seq"), py::arg("positions"),
+        py::arg("scale"), py::arg("portable") = false);
+  m.attr("vectorized") = paged_attention_vectorized();
+  m.def("add_rms_norm", &add_rms_norm, "x += delta; RMSNorm(x), in place on x", py::arg("x"),
+        py::arg("delta"), py::arg("weight"), py::arg("eps"), py::arg("bf16_out"));
+  m.def("rope_write", &rope_write, "RoPE on q and k; k and v into the paged cache; q returned",
+        py::arg("qkv"), py::arg("cos_sin"), py::arg("positions"), py::arg("slots"),
+        py::arg("cache"), py::arg("num_heads"));
+  m.def("silu_mul", &silu_mul, "silu(gate) * up of a fused gate_up projection", py::arg("gate_up"));
+}

@@ -1,0 +1,79 @@
+// Shared by the CPU kernels (fixed_order_attention.cpp, layer_ops.cpp): the fixed-order sum
+// every reduction uses, bf16 <-> float conversions, a vectorizable exp, and the entry points
+// bindings.cpp exposes to Python.
+#pragma once
+
+#include <torch/extension.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+
+namespace inherent {
+
+constexpr int kLanes = 16;  // the fixed lane split of every sum: one AVX-512 register of floats
+
+// The lanes' total, in a fixed tree.
+inline float lanes_sum(const float* lane) {
+  float half[kLanes / 2];
+  for (int l = 0; l < kLanes / 2; ++l) half[l] = lane[l] + lane[l + kLanes / 2];
+  float quarter[kLanes / 4];
+  for (int l = 0; l < kLanes / 4; ++l) quarter[l] = half[l] + half[l + kLanes / 4];
+  return ((quarter[0] + quarter[2]) + (quarter[1] + quarter[3]));
+}
+
+// An element as float: float32 as is, bfloat16 (its bits in a uint16_t) shifted into the high
+// half of a float32 -- exact.
+inline float to_float(float x) { return x; }
+inline float to_float(uint16_t bits) {
+  const uint32_t wide = static_cast<uint32_t>(bits) << 16;
+  float x;
+  std::memcpy(&x, &wide, sizeof x);
+  return x;
+}
+
+// Float to bfloat16 bits, rounding to nearest even, NaN kept a NaN: what torch's .to() does.
+inline uint16_t to_bf16(float x) {
+  uint32_t bits;
+  std::memcpy(&bits, &x, sizeof bits);
+  const uint32_t rounded = (bits + 0x7FFFu + ((bits >> 16) & 1u)) >> 16;
+  return std::isnan(x) ? uint16_t{0x7FC0} : static_cast<uint16_t>(rounded);
+}
+
+// Stores a float as the element type.
+inline void store(float* p, float x) { *p = x; }
+inline void store(uint16_t* p, float x) { *p = to_bf16(x); }
+
+// e^x for x <= 0 (a score minus its row's maximum), Cephes' single-precision polynomial: about
+// 1 ulp, branch-free, so a loop of it vectorizes (glibc's expf is a call per element).
+inline float exp_nonpositive(float x) {
+  x = std::max(x, -87.0f);  // e^-87 ~ 1.6e-38: the smallest normal float, no denormals
+  const float k = static_cast<float>(static_cast<int32_t>(x * 1.44269504088896341f - 0.5f));
+  float r = std::fma(k, -0.693359375f, x);  // x - k ln 2, ln 2 split in two for accuracy
+  r = std::fma(k, 2.12194440e-4f, r);
+  float p = 1.9875691500e-4f;
+  p = std::fma(p, r, 1.3981999507e-3f);
+  p = std::fma(p, r, 8.3334519073e-3f);
+  p = std::fma(p, r, 4.1665795894e-2f);
+  p = std::fma(p, r, 1.6666665459e-1f);
+  p = std::fma(p, r, 5.0000001201e-1f);
+  const float y = std::fma(p, r * r, r) + 1.0f;
+  const int32_t bits = (static_cast<int32_t>(k) + 127) << 23;  // 2^k
+  float scale;
+  std::memcpy(&scale, &bits, sizeof scale);
+  return y * scale;
+}
+
+}  // namespace inherent
+
+torch::Tensor paged_attention(torch::Tensor q, torch::Tensor cache, torch::Tensor block_tables,
+                              torch::Tensor token_seq, torch::Tensor positions, double scale,
+                              bool portable);
+bool paged_attention_vectorized();
+
+torch::Tensor add_rms_norm(torch::Tensor x, c10::optional<torch::Tensor> delta,
+                           torch::Tensor weight, double eps, bool bf16_out);
+torch::Tensor rope_write(torch::Tensor qkv, torch::Tensor cos_sin, torch::Tensor positions,
+                         torch::Tensor slots, torch::Tensor cache, int64_t num_heads);
+torch::Tensor silu_mul(torch::Tensor gate_up);

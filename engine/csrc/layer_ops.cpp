@@ -1,0 +1,193 @@
+// The element-wise work between a decoder layer's matmuls, fused so that each activation is read
+// and written once, converted where it is produced, and never dispatched op by op:
+//
+//   add_rms_norm  x += delta (the previous matmul's output); out = x / rms(x) * weight, in the
+//                 next matmul's dtype;
+//   rope_write    RoPE on the q and k heads of a fused qkv projection; q out as float32, k and v
+//                 written straight into their paged-cache slots;
+//   silu_mul      silu(gate) * up of a fused gate_up projection, rounded once.
+//
+// Each output row depends on its own input row only, through sums in the fixed 16-lane order of
+// kernels.h: the ops are batch-invariant by construction. Loops are plain C++ for the compiler to
+// vectorize (-O3 -march=native); threads split rows.
+#include "kernels.h"
+
+#include <ATen/Parallel.h>
+
+namespace {
+
+using namespace inherent;
+
+// Rows per thread task: enough elements that a task outweighs waking a thread.
+int64_t grain(int64_t width) { return std::max<int64_t>(1, 16384 / std::max<int64_t>(1, width)); }
+
+template <typename D, typename O>
+void add_rms_norm_rows(float* x, const D* delta, int64_t delta_stride, const float* weight, O* out,
+                       int64_t width, float eps, int64_t begin, int64_t end) {
+  for (int64_t r = begin; r < end; ++r) {
+    float* xr = x + r * width;
+    if (delta != nullptr) {
+      const D* dr = delta + r * delta_stride;
+      for (int64_t i = 0; i < width; ++i) xr[i] = xr[i] + to_float(dr[i]);
+    }
+    float lane[kLanes] = {};
+    int64_t i = 0;
+    for (; i + kLanes <= width; i += kLanes)
+      for (int l = 0; l < kLanes; ++l) lane[l] = std::fma(xr[i + l], xr[i + l], lane[l]);
+    for (int l = 0; i < width; ++i, ++l) lane[l] = std::fma(xr[i], xr[i], lane[l]);
+    const float inv = 1.f / std::sqrt(lanes_sum(lane) / static_cast<float>(width) + eps);
+    O* o = out + r * width;
+    for (i = 0; i < width; ++i) store(o + i, (xr[i] * inv) * weight[i]);
+  }
+}
+
+// (a, b) rotated by the angle whose (cos, sin) is cs: RoPE on one adjacent pair per step.
+template <typename In, typename Out>
+inline void rotate(const In* in, const float* cs, Out* out, int64_t dim) {
+  for (int64_t i = 0; i < dim; i += 2) {
+    const float a = to_float(in[i]), b = to_float(in[i + 1]), c = cs[i], s = cs[i + 1];
+    store(out + i, a * c - b * s);
+    store(out + i + 1, a * s + b * c);
+  }
+}
+
+template <typename In, typename C>
+void rope_write_rows(const In* qkv, int64_t qkv_stride, const float* cos_sin,
+                     const int64_t* positions, const int64_t* slots, C* cache,
+                     int64_t slot_stride, float* q, int64_t heads, int64_t kv_heads, int64_t dim,
+                     int64_t begin, int64_t end) {
+  for (int64_t t = begin; t < end; ++t) {
+    const In* row = qkv + t * qkv_stride;
+    const float* cs = cos_sin + positions[t] * dim;  // dim / 2 pairs of (cos, sin)
+    for (int64_t h = 0; h < heads; ++h) rotate(row + h * dim, cs, q + (t * heads + h) * dim, dim);
+    C* slot = cache + slots[t] * slot_stride;  // [2][kv_heads][dim]: K, then V
+    for (int64_t h = 0; h < kv_heads; ++h) rotate(row + (heads + h) * dim, cs, slot + h * dim, dim);
+    const In* v = row + (heads + kv_heads) * dim;
+    for (int64_t i = 0; i < kv_heads * dim; ++i) store(slot + kv_heads * dim + i, to_float(v[i]));
+  }
+}
+
+template <typename T>
+void silu_mul_rows(const T* gate_up, int64_t stride, T* out, int64_t width, int64_t begin,
+                   int64_t end) {
+  for (int64_t r = begin; r < end; ++r) {
+    const T* gate = gate_up + r * stride;
+    const T* up = gate + width;
+    T* o = out + r * width;
+    for (int64_t i = 0; i < width; ++i) {
+      const float g = to_float(gate[i]);
+      const float e = exp_nonpositive(-std::fabs(g));  // e^-|g|: never overflows
+      const float sigmoid = g >= 0.f ? 1.f / (1.f + e) : e / (1.f + e);
+      store(o + i, g * sigmoid * to_float(up[i]));
+    }
+  }
+}
+
+bool is_bf16(const torch::Tensor& t) { return t.scalar_type() == torch::kBFloat16; }
+
+void check_rows(const torch::Tensor& t, const char* name) {
+  TORCH_CHECK(t.device().is_cpu() && t.dim() == 2 && t.stride(1) == 1, name,
+              " must be a 2-D CPU tensor with contiguous rows");
+  TORCH_CHECK(t.scalar_type() == torch::kFloat32 || is_bf16(t), name,
+              " must be float32 or bfloat16");
+}
+
+}  // namespace
+
+// x: [T, H] float32, contiguous, updated in place; delta: [T, H] float32 or bfloat16, or None;
+// weight: [H] float32. Returns [T, H], bfloat16 if bf16_out else float32.
+torch::Tensor add_rms_norm(torch::Tensor x, c10::optional<torch::Tensor> delta,
+                           torch::Tensor weight, double eps, bool bf16_out) {
+  check_rows(x, "x");
+  TORCH_CHECK(x.scalar_type() == torch::kFloat32 && x.is_contiguous(), "x must be contiguous float32");
+  TORCH_CHECK(weight.scalar_type() == torch::kFloat32 && weight.is_contiguous() &&
+              weight.numel() == x.size(1), "weight must be [H] float32");
+  if (delta) {
+    check_rows(*delta, "delta");
+    TORCH_CHECK(delta->sizes() == x.sizes(), "delta must have x's shape");
+  }
+  const int64_t rows = x.size(0), width = x.size(1);
+  auto out = torch::empty({rows, width}, x.options().dtype(bf16_out ? torch::kBFloat16 : torch::kFloat32));
+  float* xp = x.data_ptr<float>();
+  const float* w = weight.data_ptr<float>();
+  const float e = static_cast<float>(eps);
+  at::parallel_for(0, rows, grain(width), [&](int64_t begin, int64_t end) {
+    auto run = [&](auto* delta_data, int64_t delta_stride) {
+      if (bf16_out)
+        add_rms_norm_rows(xp, delta_data, delta_stride, w,
+                          reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>()), width, e, begin, end);
+      else
+        add_rms_norm_rows(xp, delta_data, delta_stride, w, out.data_ptr<float>(), width, e, begin, end);
+    };
+    if (!delta)
+      run(static_cast<const float*>(nullptr), 0);
+    else if (is_bf16(*delta))
+      run(reinterpret_cast<const uint16_t*>(delta->data_ptr<at::BFloat16>()), delta->stride(0));
+    else
+      run(delta->data_ptr<float>(), delta->stride(0));
+  });
+  return out;
+}
+
+// qkv: [T, (heads + 2 kv_heads) * D] float32 or bfloat16, q and k rows RoPE-interleaved (pairs
+// side by side); cos_sin: [positions, D / 2, 2] float32; positions, slots: [T] int64; cache:
+// [blocks, block_size, 2, kv_heads, D] float32 or bfloat16. Writes k (rotated) and v into each
+// token's slot; returns q (rotated) as [T, heads * D] float32.
+torch::Tensor rope_write(torch::Tensor qkv, torch::Tensor cos_sin, torch::Tensor positions,
+                         torch::Tensor slots, torch::Tensor cache, int64_t num_heads) {
+  check_rows(qkv, "qkv");
+  TORCH_CHECK(cache.dim() == 5 && cache.is_contiguous() && cache.device().is_cpu() &&
+              (cache.scalar_type() == torch::kFloat32 || is_bf16(cache)),
+              "cache must be a contiguous 5-D float32 or bfloat16 CPU tensor");
+  const int64_t kv_heads = cache.size(3), dim = cache.size(4), tokens = qkv.size(0);
+  TORCH_CHECK(qkv.size(1) == (num_heads + 2 * kv_heads) * dim, "qkv width does not match the heads");
+  TORCH_CHECK(cos_sin.scalar_type() == torch::kFloat32 && cos_sin.is_contiguous() &&
+              cos_sin.size(-1) == 2 && cos_sin.numel() % dim == 0, "cos_sin must be [P, D / 2, 2] float32");
+  for (const auto* t : {&positions, &slots})
+    TORCH_CHECK(t->scalar_type() == torch::kInt64 && t->is_contiguous() && t->numel() == tokens,
+                "positions and slots must be [T] int64");
+  const int64_t* pos = positions.data_ptr<int64_t>();
+  const int64_t max_pos = cos_sin.numel() / dim, num_slots = cache.size(0) * cache.size(1);
+  const int64_t* slot = slots.data_ptr<int64_t>();
+  for (int64_t t = 0; t < tokens; ++t)
+    TORCH_CHECK(pos[t] >= 0 && pos[t] < max_pos && slot[t] >= 0 && slot[t] < num_slots,
+                "position or slot out of range");
+  auto q = torch::empty({tokens, num_heads * dim}, qkv.options().dtype(torch::kFloat32));
+  const float* cs = cos_sin.data_ptr<float>();
+  float* qp = q.data_ptr<float>();
+  const int64_t slot_stride = 2 * kv_heads * dim;
+  at::parallel_for(0, tokens, grain(qkv.size(1)), [&](int64_t begin, int64_t end) {
+    auto run = [&](const auto* in) {
+      if (is_bf16(cache))
+        rope_write_rows(in, qkv.stride(0), cs, pos, slot,
+                        reinterpret_cast<uint16_t*>(cache.data_ptr<at::BFloat16>()), slot_stride,
+                        qp, num_heads, kv_heads, dim, begin, end);
+      else
+        rope_write_rows(in, qkv.stride(0), cs, pos, slot, cache.data_ptr<float>(), slot_stride,
+                        qp, num_heads, kv_heads, dim, begin, end);
+    };
+    if (is_bf16(qkv))
+      run(reinterpret_cast<const uint16_t*>(qkv.data_ptr<at::BFloat16>()));
+    else
+      run(qkv.data_ptr<float>());
+  });
+  return q;
+}
+
+// gate_up: [T, 2 I] float32 or bfloat16 (gate, then up). Returns silu(gate) * up, [T, I], same dtype.
+torch::Tensor silu_mul(torch::Tensor gate_up) {
+  check_rows(gate_up, "gate_up");
+  TORCH_CHECK(gate_up.size(1) % 2 == 0, "gate_up must have an even width");
+  const int64_t rows = gate_up.size(0), width = gate_up.size(1) / 2;
+  auto out = torch::empty({rows, width}, gate_up.options());
+  at::parallel_for(0, rows, grain(width), [&](int64_t begin, int64_t end) {
+    if (is_bf16(gate_up))
+      silu_mul_rows(reinterpret_cast<const uint16_t*>(gate_up.data_ptr<at::BFloat16>()),
+                    gate_up.stride(0), reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>()),
+                    width, begin, end);
+    else
+      silu_mul_rows(gate_up.data_ptr<float>(), gate_up.stride(0), out.data_ptr<float>(), width,
+                    begin, end);
+  });
+  return out;
+}

@@ -1,0 +1,191 @@
+"""The C++ CPU kernels (engine/csrc/) on their own.
+
+Fixed-order attention: its vectorized implementation must compute the portable one's bits
+exactly (one arithmetic, two codings), both must be attention (against a float64 dense
+reference), and a row's bits must not depend on the other rows of the call. Fused layer ops:
+the same results as the torch ops they replace (engine/layer_ops.py), row by row.
+"""
+
+import pytest
+import torch
+
+from engine import cpu_kernels as kernel
+from engine.layer_ops import KernelLayerOps, TorchLayerOps
+
+pytestmark = pytest.mark.skipif(not kernel.available(), reason="no C++ compiler for the kernel")
+
+
+def paged_case(seed, *, heads, kv_heads, head_dim, block_size, positions, dtype):
+    """q for one query row per sequence, each sequence's keys 0..position scattered over a
+    shuffled paged cache that also holds other (finite) data."""
+    g = torch.Generator().manual_seed(seed)
+    per_seq = [p // block_size + 1 for p in positions]
+    num_blocks = sum(per_seq) + 3
+    cache = torch.randn(num_blocks, block_size, 2, kv_heads, head_dim, generator=g).to(dtype)
+    order = torch.randperm(num_blocks, generator=g).tolist()
+    tables = torch.full((len(positions), max(per_seq)), -1, dtype=torch.int32)
+    for i, n in enumerate(per_seq):
+        tables[i, :n] = torch.tensor([order.pop() for _ in range(n)], dtype=torch.int32)
+    q = torch.randn(len(positions), heads * head_dim, generator=g)
+    return q, cache, tables, torch.arange(len(positions), dtype=torch.int32), torch.tensor(
+        positions, dtype=torch.int64)
+
+
+def dense_reference(q, cache, tables, seq, positions):
+    """Plain float64 softmax attention of each row over its keys 0..position."""
+    block_size, kv_heads, head_dim = cache.shape[1], cache.shape[3], cache.shape[4]
+    heads = q.shape[1] // head_dim
+    out = torch.empty(q.shape, dtype=torch.float64)
+    for r in range(q.shape[0]):
+        n = int(positions[r]) + 1
+        blocks = tables[seq[r], : (n + block_size - 1) // block_size].long()
+        kv = cache[blocks].reshape(-1, 2, kv_heads, head_dim)[:n].double()
+        k = kv[:, 0].repeat_interleave(heads // kv_heads, dim=1)  # [n, heads, D]
+        v = kv[:, 1].repeat_interleave(heads // kv_heads, dim=1)
+        qr = q[r].double().view(heads, head_dim)
+        weights = torch.softmax(torch.einsum("hd,nhd->hn", qr, k) * head_dim**-0.5, dim=-1)
+        out[r] = torch.einsum("hn,nhd->hd", weights, v).reshape(-1)
+    return out
+
+
+SHAPES = [  # heads, kv_heads, head_dim, block_size
+    (9, 3, 64, 16),  # SmolLM2-135M
+    (8, 2, 128, 16),  # Llama 3 style groups of 4, head size 128
+    (4, 4, 64, 8),  # no grouping, small blocks
+    (6, 2, 32, 32),  # a head size only the portable code takes
+]
+POSITIONS = [0, 1, 14, 15, 16, 17, 31, 47, 200, 333]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("heads", "kv_heads", "head_dim", "block_size"), SHAPES)
+def test_matches_float64_attention(dtype, heads, kv_heads, head_dim, block_size):
+    case = paged_case(0, heads=heads, kv_heads=kv_heads, head_dim=head_dim,
+                      block_size=block_size, positions=POSITIONS, dtype=dtype)
+    expected = dense_reference(*case)
+    for portable in (False, True):
+        out = kernel.paged_attention(*case, head_dim**-0.5, portable=portable)
+        assert out.dtype == torch.float32
+        torch.testing.assert_close(out.double(), expected, rtol=0, atol=2e-5)
+
+
+@pytest.mark.skipif(not kernel.vectorized(), reason="this CPU's build has no AVX-512 code")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("heads", "kv_heads", "head_dim", "block_size"), SHAPES)
+def test_vectorized_code_computes_the_portable_bits(dtype, heads, kv_heads, head_dim, block_size):
+    for seed in range(3):
+        case = paged_case(seed, heads=heads, kv_heads=kv_heads, head_dim=head_dim,
+                          block_size=block_size, positions=POSITIONS, dtype=dtype)
+        fast = kernel.paged_attention(*case, head_dim**-0.5)
+        portable = kernel.paged_attention(*case, head_dim**-0.5, portable=True)
+        assert torch.equal(fast, portable)
+
+
+def test_a_row_does_not_depend_on_the_other_rows():
+    q, cache, tables, seq, positions = paged_case(
+        1, heads=9, kv_heads=3, head_dim=64, block_size=16, positions=POSITIONS,
+        dtype=torch.bfloat16)
+    together = kernel.paged_attention(q, cache, tables, seq, positions, 0.125)
+    for r in range(q.shape[0]):
+        alone = kernel.paged_attention(q[r : r + 1], cache, tables, seq[r : r + 1],
+                                       positions[r : r + 1], 0.125)
+        assert torch.equal(alone[0], together[r])
+    # strided rows (a slice of a wider projection, as the model passes them) read the same
+    wide = torch.cat([q, torch.randn(q.shape)], dim=1)[:, : q.shape[1]]
+    assert torch.equal(kernel.paged_attention(wide, cache, tables, seq, positions, 0.125),
+                       together)
+
+
+def bf16_close(actual, expected):
+    """Equal up to the bf16 rounding of results computed in float32 in another order."""
+    torch.testing.assert_close(actual.float(), expected.float(), rtol=8e-3, atol=1e-5)
+
+
+def rope_table(positions=64, half_dim=8):
+    angles = torch.arange(positions).float()[:, None] * (1.0 / 100 ** (torch.arange(half_dim) / half_dim))
+    return torch.polar(torch.ones_like(angles), angles).unsqueeze(1)
+
+
+@pytest.mark.parametrize("delta_dtype", [None, torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16])
+def test_add_rms_norm_matches_torch(delta_dtype, out_dtype):
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(37, 200, generator=g) * 3
+    weight = torch.rand(200, generator=g) + 0.5
+    delta = None if delta_dtype is None else torch.randn(37, 200, generator=g).to(delta_dtype)
+    x_torch, x_kernel = x.clone(), x.clone()
+    expected = TorchLayerOps.add_rms_norm(x_torch, delta, weight, 1e-5, out_dtype)
+    actual = KernelLayerOps.add_rms_norm(x_kernel, delta, weight, 1e-5, out_dtype)
+    assert torch.equal(x_kernel, x_torch)  # the residual add is one float32 addition either way
+    assert actual.dtype == out_dtype
+    if out_dtype == torch.float32:
+        torch.testing.assert_close(actual, expected, rtol=2e-6, atol=1e-6)
+    else:
+        bf16_close(actual, expected)
+
+
+@pytest.mark.parametrize("qkv_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16])
+def test_rope_write_matches_torch(qkv_dtype, cache_dtype):
+    heads, kv_heads, dim, tokens = 6, 2, 16, 11
+    rope = rope_table(half_dim=dim // 2)
+    g = torch.Generator().manual_seed(1)
+    qkv = torch.randn(tokens, (heads + 2 * kv_heads) * dim, generator=g).to(qkv_dtype)
+    positions = torch.randint(0, 64, (tokens,), generator=g)
+    slots = torch.randperm(5 * 4, generator=g)[:tokens]
+    caches = [torch.zeros(5, 4, 2, kv_heads, dim, dtype=cache_dtype) for _ in range(2)]
+    q_torch = TorchLayerOps(rope, torch.float32).rope_write(  # rotates float32 qkv in place
+        qkv.clone(), positions, slots, caches[0], heads)
+    q_kernel = KernelLayerOps(rope).rope_write(qkv, positions, slots, caches[1], heads)
+    assert q_kernel.dtype == torch.float32
+    torch.testing.assert_close(q_kernel, q_torch, rtol=1e-6, atol=1e-6)
+    if cache_dtype == torch.float32:
+        torch.testing.assert_close(caches[1], caches[0], rtol=1e-6, atol=1e-6)
+    else:
+        bf16_close(caches[1], caches[0])
+    assert caches[1].flatten(2).abs().sum(-1).count_nonzero() == tokens  # only their slots
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_silu_mul_matches_torch(dtype):
+    g = torch.Generator().manual_seed(2)
+    gate_up = (torch.randn(9, 2 * 100, generator=g) * 6).to(dtype)
+    gate_up[0, :4] = torch.tensor([0.0, -100.0, 100.0, -0.0])  # no overflow at the extremes
+    expected = TorchLayerOps.silu_mul(gate_up.float())
+    actual = KernelLayerOps.silu_mul(gate_up)
+    assert actual.dtype == dtype
+    if dtype == torch.float32:
+        torch.testing.assert_close(actual, expected, rtol=2e-6, atol=1e-7)
+    else:
+        bf16_close(actual, expected)
+
+
+def test_layer_ops_rows_do_not_depend_on_the_batch():
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(70, 64, generator=g)
+    weight = torch.rand(64, generator=g)
+    full = KernelLayerOps.add_rms_norm(x.clone(), x.to(torch.bfloat16), weight, 1e-6, torch.float32)
+    gate_up = torch.randn(70, 128, generator=g).to(torch.bfloat16)
+    act = KernelLayerOps.silu_mul(gate_up)
+    for rows in (1, 2, 17, 69):
+        assert torch.equal(KernelLayerOps.add_rms_norm(
+            x[:rows].clone(), x[:rows].to(torch.bfloat16), weight, 1e-6, torch.float32),
+            full[:rows])
+        assert torch.equal(KernelLayerOps.silu_mul(gate_up[:rows]), act[:rows])
+
+
+def test_layer_ops_refuse_bad_input():
+    rope = rope_table(positions=8, half_dim=8)
+    cache = torch.zeros(2, 4, 2, 1, 16)
+    qkv = torch.randn(1, 4 * 16)
+    ops = KernelLayerOps(rope)
+    with pytest.raises(RuntimeError, match="out of range"):  # never a write outside the cache
+        ops.rope_write(qkv, torch.tensor([0]), torch.tensor([8]), cache, 2)
+    with pytest.raises(RuntimeError, match="out of range"):
+        ops.rope_write(qkv, torch.tensor([8]), torch.tensor([0]), cache, 2)
+    with pytest.raises(RuntimeError, match="qkv width"):
+        ops.rope_write(qkv, torch.tensor([0]), torch.tensor([0]), cache, 3)
+    with pytest.raises(RuntimeError, match="delta must have"):
+        ops.add_rms_norm(torch.randn(2, 8), torch.randn(3, 8), torch.ones(8), 1e-6, torch.float32)
+    with pytest.raises(RuntimeError, match="even width"):
+        ops.silu_mul(torch.randn(2, 7))
