@@ -108,6 +108,21 @@ class BlockManager:
             self.cached[h] = block.block_id
         seq.num_registered_blocks = num_full
 
+    def reset_prefix_cache(self) -> int:
+        """Forget the cached content of every free block, so that later requests compute their
+        prompts afresh (benchmarks repeating a workload, cache invalidation). Blocks held by
+        running requests keep theirs. Returns how many blocks were forgotten."""
+        forgotten = 0
+        for block_id in self.free:
+            block = self.blocks[block_id]
+            if block.hash is not None:
+                if self.cached.get(block.hash) == block_id:
+                    del self.cached[block.hash]
+                block.hash = None
+                block.token_ids = ()
+                forgotten += 1
+        return forgotten
+
     # -- allocation -------------------------------------------------------------------------
 
     def blocks_needed(self, seq: Sequence, num_new_tokens: int, num_hit_blocks: int = 0) -> int:

@@ -153,6 +153,10 @@ class LLMEngine:
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests or self._aborts)
 
+    def reset_prefix_cache(self) -> int:
+        """Forget the prefix cache's free blocks (see BlockManager.reset_prefix_cache)."""
+        return self.block_manager.reset_prefix_cache()
+
     # -- the step loop ----------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:

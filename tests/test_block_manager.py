@@ -108,6 +108,21 @@ def test_freed_blocks_stay_cached_until_reused():
     assert bm.match_prefix(seq(range(9), "d")) == []
 
 
+def test_reset_prefix_cache_forgets_free_blocks_only():
+    bm = BlockManager(8, BS)
+    done, running = seq(range(9), "done"), seq(range(50, 59), "running")
+    compute_all(bm, done)
+    compute_all(bm, running)
+    bm.free_seq(done)
+    assert bm.reset_prefix_cache() == 2  # done's two full blocks
+    assert bm.match_prefix(seq(range(9), "again")) == []
+    assert len(bm.match_prefix(seq(range(50, 59), "shared"))) == 2  # held: still cached
+    bm.free_seq(running)
+    assert bm.reset_prefix_cache() == 2
+    assert bm.cached == {} and bm.reset_prefix_cache() == 0
+    assert_all_free(bm)
+
+
 def test_revived_blocks_count_against_free_blocks():
     bm = BlockManager(3, BS)
     a = seq(range(9), "a")
