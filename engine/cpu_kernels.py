@@ -2,7 +2,8 @@
 
 * :func:`paged_attention`, the fixed-order paged attention (fixed_order_attention.cpp);
 * :func:`add_rms_norm`, :func:`rope_write` and :func:`silu_mul`, the fused element-wise work
-  between a decoder layer's matmuls (layer_ops.cpp).
+  between a decoder layer's matmuls (layer_ops.cpp);
+* :class:`Bf16Linear`, a bf16 matmul with a float32 result, for the LM head (bf16_linear.cpp).
 
 Compiled on first use with the system C++ compiler through torch's extension loader and cached
 under ``TORCH_EXTENSIONS_DIR`` (default ``~/.cache/torch_extensions``): about a minute once per
@@ -20,7 +21,8 @@ from pathlib import Path
 import torch
 
 SOURCES = [Path(__file__).parent / "csrc" / name
-           for name in ("fixed_order_attention.cpp", "layer_ops.cpp", "bindings.cpp")]
+           for name in ("fixed_order_attention.cpp", "layer_ops.cpp", "bf16_linear.cpp",
+                        "bindings.cpp")]
 
 
 class KernelUnavailable(RuntimeError):
@@ -119,3 +121,22 @@ def rope_write(
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """``silu(gate) * up`` of ``gate_up`` [T, 2 I] (gate, then up), in its dtype."""
     return _module().silu_mul(gate_up)
+
+
+def bf16_linear_supported() -> bool:
+    """Whether this CPU's build has :class:`Bf16Linear` (AVX512-BF16)."""
+    return available() and _module().bf16_linear_supported
+
+
+class Bf16Linear:
+    """``y = x @ weight.T``: x (float32) and the weight rounded to bf16, float32 accumulation
+    and result. Each output element is one fixed chain over k: row-invariant by construction."""
+
+    __slots__ = ("in_features", "out_features", "packed")
+
+    def __init__(self, weight: torch.Tensor):
+        self.out_features, self.in_features = weight.shape
+        self.packed = _module().pack_bf16_weight(weight)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return _module().bf16_linear(x.float(), self.packed, self.out_features)

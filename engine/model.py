@@ -21,8 +21,8 @@ The LM head runs only on ``batch.logits_indices`` rows.
 Precision: ``dtype`` is the weights' and activations' type (float32 or bfloat16);
 ``matmul_dtype`` the decoder matmuls' (default: ``dtype``). A float32 model with bfloat16 matmuls
 is what the engine runs on CPUs with native bf16 (AVX512-BF16/AMX, see
-:func:`default_matmul_dtype`): the residual stream, norms, RoPE, attention and LM head stay in
-float32. The KV cache may have its own dtype (bf16 by default beside bf16 matmuls); attention
+:func:`default_matmul_dtype`): the residual stream, norms, RoPE and attention stay in float32,
+and the LM head reads bf16 but accumulates and returns float32 logits. The KV cache may have its own dtype (bf16 by default beside bf16 matmuls); attention
 reads it in the activations' dtype.
 
 Batch invariance: by default a token's logits can depend on its companions (oneDNN reduces one
@@ -324,14 +324,23 @@ class LlamaModel:
         self.embed = get("model.embed_tokens.weight")
         self.final_norm = get("model.norm.weight")
         tied = c.tie_word_embeddings or "lm_head.weight" not in weights
-        self.lm_head = _Linear(self.embed if tied else get("lm_head.weight"))
+        head = self.embed if tied else get("lm_head.weight")
+        # With bf16 matmuls the LM head reads bf16 too, but returns float32 logits (bf16 ones
+        # tie): the C++ kernel where the CPU has AVX512-BF16, else float32 through oneDNN.
+        if (self.matmul_dtype == torch.bfloat16 and self._kernels
+                and cpu_kernels.bf16_linear_supported()):
+            self.lm_head = cpu_kernels.Bf16Linear(head)
+            head_itemsize = 2
+        else:
+            self.lm_head = _Linear(head)
+            head_itemsize = head.element_size()
         self.num_parameters = self.embed.numel() + self.final_norm.numel()
         if not tied:
             self.num_parameters += self.embed.numel()
         # What one batch-1 decode step reads: every weight once, matmuls in their dtype (the
         # embedding row gathered is negligible unless it is also the LM head).
-        self.decode_weight_bytes = (self.lm_head.out_features * self.lm_head.in_features
-                                    + self.final_norm.numel()) * self.embed.element_size()
+        self.decode_weight_bytes = (head.numel() * head_itemsize
+                                    + self.final_norm.numel() * self.final_norm.element_size())
         self.layers: list[_Layer] = []
         for i in range(c.num_layers):
             p = f"model.layers.{i}."
@@ -362,7 +371,8 @@ class LlamaModel:
 
         if batch_invariant:
             check_rms_norm(cpu_kernels.add_rms_norm, c.hidden_size, c.rms_norm_eps, dtype)
-            linears = [self.lm_head]
+            # (the bf16 LM head kernel is row-invariant by construction)
+            linears = [self.lm_head] if isinstance(self.lm_head, _Linear) else []
             for layer in self.layers:
                 linears += [layer.qkv, layer.o, layer.gate_up, layer.down]
             make_linears_invariant(linears)

@@ -189,3 +189,27 @@ def test_layer_ops_refuse_bad_input():
         ops.add_rms_norm(torch.randn(2, 8), torch.randn(3, 8), torch.ones(8), 1e-6, torch.float32)
     with pytest.raises(RuntimeError, match="even width"):
         ops.silu_mul(torch.randn(2, 7))
+
+
+@pytest.mark.skipif(not kernel.bf16_linear_supported(), reason="no AVX512-BF16 on this CPU")
+@pytest.mark.parametrize(("rows", "out_features", "in_features"),
+                         [(1, 40, 24), (7, 37, 11), (64, 300, 576)])
+def test_bf16_linear_is_a_bf16_matmul_with_float32_results(rows, out_features, in_features):
+    g = torch.Generator().manual_seed(4)
+    weight = torch.randn(out_features, in_features, generator=g)
+    x = torch.randn(rows, in_features, generator=g)
+    y = kernel.Bf16Linear(weight)(x)
+    assert y.dtype == torch.float32 and y.shape == (rows, out_features)
+    # bf16 products are exact in float32: only the order of the float32 sum differs
+    expected = x.bfloat16().double() @ weight.bfloat16().double().T
+    torch.testing.assert_close(y.double(), expected, rtol=0, atol=1e-5 * in_features**0.5)
+
+
+@pytest.mark.skipif(not kernel.bf16_linear_supported(), reason="no AVX512-BF16 on this CPU")
+def test_bf16_linear_rows_do_not_depend_on_the_batch():
+    g = torch.Generator().manual_seed(5)
+    head = kernel.Bf16Linear(torch.randn(100, 64, generator=g))
+    x = torch.randn(70, 64, generator=g)
+    full = head(x)
+    for rows in (1, 2, 5, 6, 7, 13, 69):
+        assert torch.equal(head(x[:rows]), full[:rows])

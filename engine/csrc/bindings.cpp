@@ -13,4 +13,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("qkv"), py::arg("cos_sin"), py::arg("positions"), py::arg("slots"),
         py::arg("cache"), py::arg("num_heads"));
   m.def("silu_mul", &silu_mul, "silu(gate) * up of a fused gate_up projection", py::arg("gate_up"));
+  m.attr("bf16_linear_supported") = bf16_linear_supported();
+  m.def("pack_bf16_weight", &pack_bf16_weight, "pack [N, K] for bf16_linear", py::arg("weight"));
+  m.def("bf16_linear", &bf16_linear, "x @ W.T: bf16 inputs, float32 accumulation and result",
+        py::arg("x"), py::arg("packed"), py::arg("columns"));
 }

@@ -77,3 +77,7 @@ torch::Tensor add_rms_norm(torch::Tensor x, c10::optional<torch::Tensor> delta,
 torch::Tensor rope_write(torch::Tensor qkv, torch::Tensor cos_sin, torch::Tensor positions,
                          torch::Tensor slots, torch::Tensor cache, int64_t num_heads);
 torch::Tensor silu_mul(torch::Tensor gate_up);
+
+bool bf16_linear_supported();
+torch::Tensor pack_bf16_weight(torch::Tensor w);
+torch::Tensor bf16_linear(torch::Tensor x, torch::Tensor packed, int64_t columns);
