@@ -3,7 +3,7 @@
 * :func:`paged_attention`, the fixed-order paged attention (fixed_order_attention.cpp);
 * :func:`add_rms_norm`, :func:`rope_write` and :func:`silu_mul`, the fused element-wise work
   between a decoder layer's matmuls (layer_ops.cpp);
-* :class:`Bf16Linear`, a bf16 matmul with a float32 result, for the LM head (bf16_linear.cpp).
+* :class:`Bf16Linear`, a bf16 matmul with a float32 result (bf16_linear.cpp).
 
 Compiled on first use with the system C++ compiler through torch's extension loader and cached
 under ``TORCH_EXTENSIONS_DIR`` (default ``~/.cache/torch_extensions``): about a minute once per
@@ -129,8 +129,9 @@ def bf16_linear_supported() -> bool:
 
 
 class Bf16Linear:
-    """``y = x @ weight.T``: x (float32) and the weight rounded to bf16, float32 accumulation
-    and result. Each output element is one fixed chain over k: row-invariant by construction."""
+    """``y = x @ weight.T``: x (float32 or bf16) and the weight rounded to bf16, float32
+    accumulation and result. Each output element is one fixed chain over k: row-invariant by
+    construction."""
 
     __slots__ = ("in_features", "out_features", "packed")
 
@@ -139,4 +140,4 @@ class Bf16Linear:
         self.packed = _module().pack_bf16_weight(weight)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        return _module().bf16_linear(x.float(), self.packed, self.out_features)
+        return _module().bf16_linear(x, self.packed, self.out_features)

@@ -2,15 +2,17 @@
 
 RMSNorm, RoPE (theta, linear and llama3 scaling), grouped-query attention over the paged KV
 cache, SwiGLU, tied or untied LM head. At load time Q/K/V become one matrix and gate/up another,
-so a layer is about fifteen torch ops whatever the batch holds:
+so a layer is nine calls whatever the batch holds:
 
-    rms_norm, qkv matmul, RoPE (one complex multiply, in place, on q and k together),
-    cache write (one index_copy_), attention (a gather + an SDPA per chunk of a few decodes,
-    and per prefill chunk; see engine/attention.py), o matmul, residual add_, rms_norm,
-    gate_up matmul, silu, mul_, down matmul, residual add_.
+    add_rms_norm, qkv matmul, rope_write (RoPE on q and k, k and v into the paged cache),
+    attention (see engine/attention.py), o matmul, add_rms_norm (the residual add inside),
+    gate_up matmul, silu_mul, down matmul (its output joins the residual in the next norm).
 
-Matmuls go through oneDNN with pre-packed weights on CPU (see _Linear); large freed blocks are
-kept in the heap (see keep_freed_memory). Both were measured, not guessed: bench/model_step.py.
+The element-wise calls are fused C++ on CPU and torch ops elsewhere (engine/layer_ops.py).
+Matmuls: bf16 ones on CPUs with AVX512-BF16 run our C++ kernel (float32 results,
+cpu_kernels.Bf16Linear); the others go through oneDNN with pre-packed weights on CPU (see
+_Linear). Large freed blocks are kept in the heap (see keep_freed_memory). All measured, not
+guessed: bench/model_step.py and the kernels' comments.
 
 RoPE pairs: Hugging Face rotates dimension i with i + head_dim/2. We reorder each head's Q and K
 rows once at load so that the pair sits side by side (i, i + 1) -- llama.cpp's own layout -- and
@@ -277,10 +279,11 @@ class _Linear:
 class _Layer:
     input_norm: torch.Tensor
     post_norm: torch.Tensor
-    qkv: _Linear  # [(heads + 2 * kv_heads) * head_dim, hidden], q/k rows RoPE-interleaved
-    o: _Linear  # [hidden, heads * head_dim]
-    gate_up: _Linear  # [2 * intermediate, hidden]
-    down: _Linear  # [hidden, intermediate]
+    # _Linear or cpu_kernels.Bf16Linear
+    qkv: Any  # [(heads + 2 * kv_heads) * head_dim, hidden], q/k rows RoPE-interleaved
+    o: Any  # [hidden, heads * head_dim]
+    gate_up: Any  # [2 * intermediate, hidden]
+    down: Any  # [hidden, intermediate]
 
 
 class LlamaModel:
@@ -325,10 +328,11 @@ class LlamaModel:
         self.final_norm = get("model.norm.weight")
         tied = c.tie_word_embeddings or "lm_head.weight" not in weights
         head = self.embed if tied else get("lm_head.weight")
-        # With bf16 matmuls the LM head reads bf16 too, but returns float32 logits (bf16 ones
-        # tie): the C++ kernel where the CPU has AVX512-BF16, else float32 through oneDNN.
-        if (self.matmul_dtype == torch.bfloat16 and self._kernels
-                and cpu_kernels.bf16_linear_supported()):
+        # bf16 matmuls on a CPU with AVX512-BF16: the C++ kernel, float32 results (the LM head
+        # too: bf16 logits tie). Otherwise oneDNN in the matmul dtype, the LM head in float32.
+        bf16_kernel = (self.matmul_dtype == torch.bfloat16 and self._kernels
+                       and cpu_kernels.bf16_linear_supported())
+        if bf16_kernel:
             self.lm_head = cpu_kernels.Bf16Linear(head)
             head_itemsize = 2
         else:
@@ -356,7 +360,8 @@ class LlamaModel:
             self.num_parameters += sum(t.numel() for t in (*mats, *norms))
             self.decode_weight_bytes += sum(t.numel() for t in norms) * norms[0].element_size()
             self.decode_weight_bytes += sum(m.numel() for m in mats) * self.matmul_dtype.itemsize
-            linears = (_Linear(m.to(self.matmul_dtype)) for m in mats)
+            linears = (cpu_kernels.Bf16Linear(m) if bf16_kernel else _Linear(m.to(self.matmul_dtype))
+                       for m in mats)
             self.layers.append(_Layer(norms[0], norms[1], *linears))
 
         freq_factors = weights.get("rope_freqs")
@@ -371,11 +376,11 @@ class LlamaModel:
 
         if batch_invariant:
             check_rms_norm(cpu_kernels.add_rms_norm, c.hidden_size, c.rms_norm_eps, dtype)
-            # (the bf16 LM head kernel is row-invariant by construction)
-            linears = [self.lm_head] if isinstance(self.lm_head, _Linear) else []
+            linears = [self.lm_head]
             for layer in self.layers:
                 linears += [layer.qkv, layer.o, layer.gate_up, layer.down]
-            make_linears_invariant(linears)
+            # (the bf16 kernel's are row-invariant by construction)
+            make_linears_invariant(lin for lin in linears if isinstance(lin, _Linear))
 
     def allocate_kv_cache(
         self, num_blocks: int, block_size: int, dtype: torch.dtype | None = None

@@ -1,9 +1,11 @@
-// y = x @ W.T with bfloat16 inputs, float32 accumulation and a float32 result, on AVX512-BF16.
+// y = x @ W.T with bfloat16 inputs, float32 accumulation and a float32 result, on AVX512-BF16:
+// every matmul of a model whose matmuls run bf16.
 //
-// For the LM head: oneDNN's bf16 matmul returns bf16, and logits rounded to 8 bits of mantissa
-// tie often (0.125 apart near 25), while the float32 matmul reads twice the bytes and runs at
-// half the rate. Here each output element is one fixed chain of vdpbf16ps over k, so it depends
-// on its own row of x and column of W only: batch-invariant by construction.
+// Against oneDNN's bf16 matmul (measured on 2 Zen 4 cores, SmolLM2-135M's 120 decoder matmuls,
+// weights streaming from DRAM): 7.3 against 12.3 ms for one row, equal at 32 to 192 rows; its
+// result is float32, where oneDNN's is rounded to bf16 (logits 0.125 apart near 25 tie often);
+// and each output element is one fixed chain of vdpbf16ps over k, so it depends on its own row
+// of x and column of W only: batch-invariant by construction, at any row count.
 //
 // Weights are packed once into panels of 16 output columns, k in pairs: [N/16][K/2][16][2], the
 // layout vdpbf16ps reads (each 32-bit lane holds one column's pair). A row of x is rounded to
@@ -71,12 +73,13 @@ torch::Tensor pack_bf16_weight(torch::Tensor w) {
   return padded.view({panels, kPanel, pairs, 2}).transpose(1, 2).contiguous();
 }
 
-// x: [M, K] float32, rows contiguous; packed from pack_bf16_weight; columns: N.
+// x: [M, K] float32 or bfloat16, rows contiguous; packed from pack_bf16_weight; columns: N.
 // Returns [M, N] float32.
 torch::Tensor bf16_linear(torch::Tensor x, torch::Tensor packed, int64_t columns) {
   TORCH_CHECK(kSupported, "bf16_linear needs a CPU with AVX512-BF16");
-  TORCH_CHECK(x.scalar_type() == torch::kFloat32 && x.dim() == 2 && x.stride(1) == 1 &&
-              x.device().is_cpu(), "x must be a 2-D float32 CPU tensor with contiguous rows");
+  TORCH_CHECK((x.scalar_type() == torch::kFloat32 || x.scalar_type() == torch::kBFloat16) &&
+              x.dim() == 2 && x.stride(1) == 1 && x.device().is_cpu(),
+              "x must be a 2-D float32 or bfloat16 CPU tensor with contiguous rows");
   TORCH_CHECK(packed.scalar_type() == torch::kBFloat16 && packed.dim() == 4 &&
               packed.is_contiguous() && packed.size(2) == kPanel && packed.size(3) == 2,
               "packed must come from pack_bf16_weight");
@@ -84,11 +87,14 @@ torch::Tensor bf16_linear(torch::Tensor x, torch::Tensor packed, int64_t columns
                 pairs = packed.size(1);
   TORCH_CHECK((k + 1) / 2 == pairs && columns <= num_panels * kPanel &&
               columns > (num_panels - 1) * kPanel, "x or columns do not match the packed weight");
-  auto out = torch::empty({rows, columns}, x.options());
+  auto out = torch::empty({rows, columns}, x.options().dtype(torch::kFloat32));
 #if defined(__AVX512BF16__)
-  // x as bf16 pairs (the odd k padded with zero), once.
-  auto xb = torch::zeros({rows, pairs * 2}, x.options().dtype(torch::kBFloat16));
-  xb.narrow(1, 0, k).copy_(x);
+  // x as bf16 pairs (the odd k padded with zero): as it is when it already is that.
+  torch::Tensor xb = x;
+  if (x.scalar_type() != torch::kBFloat16 || k % 2 != 0 || !x.is_contiguous()) {
+    xb = torch::zeros({rows, pairs * 2}, x.options().dtype(torch::kBFloat16));
+    xb.narrow(1, 0, k).copy_(x);
+  }
   const uint32_t* xp = reinterpret_cast<const uint32_t*>(xb.data_ptr<at::BFloat16>());
   const uint32_t* wp = reinterpret_cast<const uint32_t*>(packed.data_ptr<at::BFloat16>());
   float* op = out.data_ptr<float>();
