@@ -27,9 +27,10 @@ is what the engine runs on CPUs with native bf16 (AVX512-BF16/AMX, see
 and the LM head reads bf16 but accumulates and returns float32 logits. The KV cache may have its own dtype (bf16 by default beside bf16 matmuls); attention
 reads it in the activations' dtype.
 
-Batch invariance: by default a token's logits can depend on its companions (oneDNN reduces one
-row differently from several, SDPA's blocking follows the padded key length).
-``batch_invariant=True`` removes both: see engine/batch_invariant.py.
+Batch invariance: by default a token's logits can depend on its companions (SDPA's blocking
+follows the padded key length; oneDNN, where it runs the matmuls, reduces one row differently
+from several). The bf16 matmul kernel and the fused layer ops are row-invariant by construction.
+``batch_invariant=True`` removes the rest: see engine/batch_invariant.py.
 """
 
 from __future__ import annotations
