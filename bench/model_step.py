@@ -23,6 +23,7 @@ import time
 
 import torch
 
+from engine import cpu_kernels
 from engine.forward_batch import ForwardBatch
 from engine.loader import load_gguf
 from engine.model import LlamaModel, _Linear, native_bf16
@@ -123,11 +124,15 @@ def report_model(name: str, model: LlamaModel, bandwidth: float) -> None:
 
 
 def report_matmul_crossover() -> None:
-    """fp32 vs bf16 time of one layer's four matmuls by token count."""
+    """fp32 vs bf16 time of one layer's four matmuls by token count (bf16 as the engine runs it:
+    our kernel where the CPU has AVX512-BF16, oneDNN otherwise)."""
     shapes = [(960, 576), (576, 576), (3072, 576), (576, 1536)]
-    print("\n== one layer's matmuls, fp32 vs bf16, by tokens per step")
     fp32 = [_Linear(torch.randn(o, i)) for o, i in shapes]
-    bf16 = [_Linear(torch.randn(o, i).bfloat16()) for o, i in shapes]
+    if cpu_kernels.bf16_linear_supported():
+        bf16, kind = [cpu_kernels.Bf16Linear(torch.randn(o, i)) for o, i in shapes], "kernel"
+    else:
+        bf16, kind = [_Linear(torch.randn(o, i).bfloat16()) for o, i in shapes], "oneDNN"
+    print(f"\n== one layer's matmuls, fp32 (oneDNN) vs bf16 ({kind}), by tokens per step")
     for tokens in (1, 8, 32, 64, 128, 256, 512):
         xs = [torch.randn(tokens, i) for _, i in shapes]
         t32 = median_seconds(lambda xs=xs: [f(x) for f, x in zip(fp32, xs, strict=True)], 10)
