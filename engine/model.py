@@ -56,7 +56,6 @@ from engine.attention import (
 from engine.attention import allocate_kv_cache as _allocate
 from engine.batch_invariant import (
     BatchInvarianceUnsupported,
-    check_rms_norm,
     make_linears_invariant,
 )
 from engine.forward_batch import ForwardBatch
@@ -361,8 +360,8 @@ class LlamaModel:
             self.num_parameters += sum(t.numel() for t in (*mats, *norms))
             self.decode_weight_bytes += sum(t.numel() for t in norms) * norms[0].element_size()
             self.decode_weight_bytes += sum(m.numel() for m in mats) * self.matmul_dtype.itemsize
-            linears = (cpu_kernels.Bf16Linear(m) if bf16_kernel else _Linear(m.to(self.matmul_dtype))
-                       for m in mats)
+            linears = (cpu_kernels.Bf16Linear(m) if bf16_kernel
+                       else _Linear(m.to(self.matmul_dtype)) for m in mats)
             self.layers.append(_Layer(norms[0], norms[1], *linears))
 
         freq_factors = weights.get("rope_freqs")
@@ -376,7 +375,6 @@ class LlamaModel:
         self._kernel_ops = KernelLayerOps(self.rope) if self._kernels else None
 
         if batch_invariant:
-            check_rms_norm(cpu_kernels.add_rms_norm, c.hidden_size, c.rms_norm_eps, dtype)
             linears = [self.lm_head]
             for layer in self.layers:
                 linears += [layer.qkv, layer.o, layer.gate_up, layer.down]

@@ -30,7 +30,7 @@ constexpr bool kSupported = true;
 // kRows rows of x (bf16 pairs, `pairs` per row) times panels p0, p0 + 1 into out[rows][columns].
 template <int kRows>
 void panel_pair(const uint32_t* x, int64_t pairs, const uint32_t* panels, int64_t p0,
-                int64_t num_panels, float* out, int64_t out_stride, int64_t columns) {
+                int64_t num_panels, float* out, int64_t columns) {
   const int64_t np = std::min<int64_t>(2, num_panels - p0);
   __m512 acc[kRows][2];
   for (int r = 0; r < kRows; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
@@ -50,7 +50,7 @@ void panel_pair(const uint32_t* x, int64_t pairs, const uint32_t* panels, int64_
     const __mmask16 keep = first + kPanel <= columns ? __mmask16(0xFFFF)
                                                      : __mmask16((1u << (columns - first)) - 1);
     for (int r = 0; r < kRows; ++r)
-      _mm512_mask_storeu_ps(out + r * out_stride + first, keep, acc[r][p]);
+      _mm512_mask_storeu_ps(out + r * columns + first, keep, acc[r][p]);
   }
 }
 #else
@@ -89,33 +89,25 @@ torch::Tensor bf16_linear(torch::Tensor x, torch::Tensor packed, int64_t columns
               columns > (num_panels - 1) * kPanel, "x or columns do not match the packed weight");
   auto out = torch::empty({rows, columns}, x.options().dtype(torch::kFloat32));
 #if defined(__AVX512BF16__)
-  // x as bf16 pairs (the odd k padded with zero): as it is when it already is that.
-  torch::Tensor xb = x;
-  if (x.scalar_type() != torch::kBFloat16 || k % 2 != 0 || !x.is_contiguous()) {
-    xb = torch::zeros({rows, pairs * 2}, x.options().dtype(torch::kBFloat16));
-    xb.narrow(1, 0, k).copy_(x);
-  }
+  // x as bf16 pairs: one conversion (none when it already is that), an odd k padded with zero.
+  torch::Tensor xb = x.to(torch::kBFloat16).contiguous();
+  if (k % 2 != 0) xb = torch::constant_pad_nd(xb, {0, 1});
   const uint32_t* xp = reinterpret_cast<const uint32_t*>(xb.data_ptr<at::BFloat16>());
   const uint32_t* wp = reinterpret_cast<const uint32_t*>(packed.data_ptr<at::BFloat16>());
   float* op = out.data_ptr<float>();
   constexpr int64_t kRowBlock = 6;  // 6 rows x 2 panels: 12 accumulators
   // Threads split panel pairs; every thread runs all rows over its panels (the panel stays
   // in L1 while the rows, a few hundred KB of bf16, stream from L2).
+  // panel_pair by row count: full blocks, then the remainder's instance
+  using Block = void (*)(const uint32_t*, int64_t, const uint32_t*, int64_t, int64_t, float*,
+                         int64_t);
+  constexpr Block by_rows[kRowBlock + 1] = {nullptr, panel_pair<1>, panel_pair<2>, panel_pair<3>,
+                                            panel_pair<4>, panel_pair<5>, panel_pair<6>};
   at::parallel_for(0, (num_panels + 1) / 2, 16, [&](int64_t begin, int64_t end) {
-    for (int64_t pp = begin; pp < end; ++pp) {
-      int64_t r = 0;
-      for (; r + kRowBlock <= rows; r += kRowBlock)
-        panel_pair<kRowBlock>(xp + r * pairs, pairs, wp, 2 * pp, num_panels,
-                              op + r * columns, columns, columns);
-      switch (rows - r) {
-        case 5: panel_pair<5>(xp + r * pairs, pairs, wp, 2 * pp, num_panels, op + r * columns, columns, columns); break;
-        case 4: panel_pair<4>(xp + r * pairs, pairs, wp, 2 * pp, num_panels, op + r * columns, columns, columns); break;
-        case 3: panel_pair<3>(xp + r * pairs, pairs, wp, 2 * pp, num_panels, op + r * columns, columns, columns); break;
-        case 2: panel_pair<2>(xp + r * pairs, pairs, wp, 2 * pp, num_panels, op + r * columns, columns, columns); break;
-        case 1: panel_pair<1>(xp + r * pairs, pairs, wp, 2 * pp, num_panels, op + r * columns, columns, columns); break;
-        default: break;
-      }
-    }
+    for (int64_t pp = begin; pp < end; ++pp)
+      for (int64_t r = 0; r < rows; r += kRowBlock)
+        by_rows[std::min(kRowBlock, rows - r)](xp + r * pairs, pairs, wp, 2 * pp, num_panels,
+                                               op + r * columns, columns);
   });
 #endif
   return out;
