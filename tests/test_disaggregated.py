@@ -102,22 +102,27 @@ def test_greedy_output_equals_colocated_and_blocks_come_back(disagg, colocated):
     assert_blocks_freed(disagg)
 
 
-def test_back_pressure_queues_hand_offs_without_preempting(disagg, colocated):
+def test_back_pressure_queues_hand_offs_without_preempting(disagg, colocated, monkeypatch):
     """Ten requests of up to 80 tokens into a decode cache of 160 tokens: a few decode at
     once, the rest wait with their KV held by the prefill worker."""
     batch = prompts(10, seed=1)
     expected = [o.token_ids for o in colocated.generate(batch, GREEDY)]
     seen = {"decode_running": 0, "prefill_full": False}
+    on_stats = disagg._on_stats
+
+    def observe(worker, stats):  # every worker step's report (one front step may drain several)
+        if worker.role == "decode":
+            seen["decode_running"] = max(seen["decode_running"], stats["running"])
+        else:  # prompts waiting while hand-offs hold most of the prefill worker's cache
+            seen["prefill_full"] |= (stats["waiting"] > 0 and stats["held"] > 0
+                                     and stats["kv_usage"] >= 0.75)
+        on_stats(worker, stats)
+
+    monkeypatch.setattr(disagg, "_on_stats", observe)
     streamed = {disagg.add_request(prompt, GREEDY): [] for prompt in batch}
     while disagg.has_unfinished_requests():
         for out in disagg.step():
             streamed[out.request_id] += out.token_ids
-        prefill = disagg.worker_stats.get("prefill", {})
-        decode = disagg.worker_stats.get("decode", {})
-        seen["decode_running"] = max(seen["decode_running"], decode.get("running", 0))
-        # Prompts waiting while hand-offs hold most of the prefill worker's cache.
-        seen["prefill_full"] |= (prefill.get("waiting", 0) > 0 and prefill.get("held", 0) > 0
-                                 and prefill.get("kv_usage", 0) >= 0.75)
     assert list(streamed.values()) == expected
     # The decode worker admits a request only when its whole lifetime fits beside the others.
     lifetimes = sorted(-(-(len(p) + GREEDY.max_tokens) // TINY["block_size"]) for p in batch)
