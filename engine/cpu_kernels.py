@@ -5,6 +5,12 @@
   between a decoder layer's matmuls (layer_ops.cpp);
 * :class:`Bf16Linear`, a bf16 matmul with a float32 result (bf16_linear.cpp).
 
+Implementations: each kernel above (but the bf16 matmul, AVX512-BF16 only) has a portable path
+and, where this CPU has the instructions, AVX2 and AVX-512 paths computing the same bits
+(engine/csrc/simd.h). The widest available runs unless ``INHERENT_CPU_PATH`` (``avx512``,
+``avx2``, ``portable``) or a call's ``path`` argument names one; naming one this CPU lacks is an
+error.
+
 Compiled on first use with the system C++ compiler through torch's extension loader and cached
 under ``TORCH_EXTENSIONS_DIR`` (default ``~/.cache/torch_extensions``): about a minute once per
 machine and source version, a fraction of a second after. It is built for the CPU it runs on
@@ -16,6 +22,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import os
 from pathlib import Path
 
 import torch
@@ -23,6 +30,7 @@ import torch
 SOURCES = [Path(__file__).parent / "csrc" / name
            for name in ("fixed_order_attention.cpp", "layer_ops.cpp", "bf16_linear.cpp",
                         "bindings.cpp")]
+PATH_ENV = "INHERENT_CPU_PATH"  # forces an implementation: avx512, avx2 or portable
 
 
 class KernelUnavailable(RuntimeError):
@@ -73,9 +81,13 @@ def available() -> bool:
     return True
 
 
-def vectorized() -> bool:
-    """Whether the attention kernel has its AVX-512 implementation (head sizes 64 and 128)."""
-    return _module().vectorized
+def available_paths() -> list[str]:
+    """The implementations this build and CPU run, widest first (``portable`` always)."""
+    return _module().available_paths()
+
+
+def _path(path: str | None) -> str:
+    return path or os.environ.get(PATH_ENV) or "auto"
 
 
 def paged_attention(
@@ -86,41 +98,42 @@ def paged_attention(
     positions: torch.Tensor,
     scale: float,
     *,
-    portable: bool = False,
+    path: str | None = None,
 ) -> torch.Tensor:
     """Each row of ``q`` [T, heads * head_dim] attends its sequence's keys 0..position.
 
     ``cache`` [blocks, block_size, 2, kv_heads, head_dim] float32 or bfloat16 (q and the result
     are float32); ``block_tables`` [B, max] int32; ``token_seq`` [T] int32 (row -> sequence);
-    ``positions`` [T] int64. ``portable`` forces the portable implementation, which computes
-    the same bits as the vectorized one (tests check that).
+    ``positions`` [T] int64. ``path`` forces an implementation (all compute the same bits; the
+    vectorized ones cover head sizes 64 and 128, others run the portable code).
     """
     return _module().paged_attention(q, cache, block_tables, token_seq, positions, scale,
-                                     portable)
+                                     _path(path))
 
 
 def add_rms_norm(
     x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float,
-    out_dtype: torch.dtype,
+    out_dtype: torch.dtype, *, path: str | None = None,
 ) -> torch.Tensor:
     """``x += delta`` in place (float32 residual stream; delta float32 or bfloat16, or None),
     then RMSNorm of ``x`` times ``weight``, returned in ``out_dtype`` (float32 or bfloat16)."""
-    return _module().add_rms_norm(x, delta, weight, eps, out_dtype == torch.bfloat16)
+    return _module().add_rms_norm(x, delta, weight, eps, out_dtype == torch.bfloat16,
+                                  _path(path))
 
 
 def rope_write(
     qkv: torch.Tensor, cos_sin: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
-    cache: torch.Tensor, num_heads: int,
+    cache: torch.Tensor, num_heads: int, *, path: str | None = None,
 ) -> torch.Tensor:
     """RoPE on the q and k heads of ``qkv`` [T, (heads + 2 kv_heads) * D] (pairs side by side),
     k and v written into the cache at ``slots``; returns q [T, heads * D] float32.
     ``cos_sin`` [positions, D / 2, 2] float32."""
-    return _module().rope_write(qkv, cos_sin, positions, slots, cache, num_heads)
+    return _module().rope_write(qkv, cos_sin, positions, slots, cache, num_heads, _path(path))
 
 
-def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+def silu_mul(gate_up: torch.Tensor, *, path: str | None = None) -> torch.Tensor:
     """``silu(gate) * up`` of ``gate_up`` [T, 2 I] (gate, then up), in its dtype."""
-    return _module().silu_mul(gate_up)
+    return _module().silu_mul(gate_up, _path(path))
 
 
 def bf16_linear_supported() -> bool:

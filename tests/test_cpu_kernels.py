@@ -1,7 +1,8 @@
 """The C++ CPU kernels (engine/csrc/) on their own.
 
-Fixed-order attention: its vectorized implementation must compute the portable one's bits
-exactly (one arithmetic, two codings), both must be attention (against a float64 dense
+Every kernel with vectorized implementations (AVX-512, AVX2; engine/csrc/simd.h) must compute
+the portable one's bits exactly (one arithmetic, three codings): each path this CPU has is
+forced and compared. Fixed-order attention must be attention (against a float64 dense
 reference), and a row's bits must not depend on the other rows of the call. Fused layer ops:
 the same results as the torch ops they replace (engine/layer_ops.py), row by row.
 """
@@ -13,6 +14,14 @@ from engine import cpu_kernels as kernel
 from engine.layer_ops import KernelLayerOps, TorchLayerOps
 
 pytestmark = pytest.mark.skipif(not kernel.available(), reason="no C++ compiler for the kernel")
+
+PATHS = ["avx512", "avx2", "portable"]
+VECTOR_PATHS = PATHS[:2]
+
+
+def require(path):
+    if path not in kernel.available_paths():
+        pytest.skip(f"this CPU has no {path} instructions")
 
 
 def paged_case(seed, *, heads, kv_heads, head_dim, block_size, positions, dtype):
@@ -63,22 +72,54 @@ def test_matches_float64_attention(dtype, heads, kv_heads, head_dim, block_size)
     case = paged_case(0, heads=heads, kv_heads=kv_heads, head_dim=head_dim,
                       block_size=block_size, positions=POSITIONS, dtype=dtype)
     expected = dense_reference(*case)
-    for portable in (False, True):
-        out = kernel.paged_attention(*case, head_dim**-0.5, portable=portable)
+    for path in kernel.available_paths():
+        out = kernel.paged_attention(*case, head_dim**-0.5, path=path)
         assert out.dtype == torch.float32
         torch.testing.assert_close(out.double(), expected, rtol=0, atol=2e-5)
 
 
-@pytest.mark.skipif(not kernel.vectorized(), reason="this CPU's build has no AVX-512 code")
+@pytest.mark.parametrize("path", VECTOR_PATHS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize(("heads", "kv_heads", "head_dim", "block_size"), SHAPES)
-def test_vectorized_code_computes_the_portable_bits(dtype, heads, kv_heads, head_dim, block_size):
+def test_vectorized_attention_computes_the_portable_bits(path, dtype, heads, kv_heads, head_dim,
+                                                         block_size):
+    require(path)
     for seed in range(3):
         case = paged_case(seed, heads=heads, kv_heads=kv_heads, head_dim=head_dim,
                           block_size=block_size, positions=POSITIONS, dtype=dtype)
-        fast = kernel.paged_attention(*case, head_dim**-0.5)
-        portable = kernel.paged_attention(*case, head_dim**-0.5, portable=True)
+        fast = kernel.paged_attention(*case, head_dim**-0.5, path=path)
+        portable = kernel.paged_attention(*case, head_dim**-0.5, path="portable")
         assert torch.equal(fast, portable)
+
+
+def test_the_widest_path_runs_by_default_and_the_env_var_forces_one(monkeypatch):
+    paths = kernel.available_paths()
+    assert paths[-1] == "portable" and paths == [p for p in PATHS if p in paths]
+    case = paged_case(0, heads=9, kv_heads=3, head_dim=64, block_size=16, positions=POSITIONS,
+                      dtype=torch.bfloat16)
+    calls = []
+    real = kernel._module
+
+    class Spy:
+        def __getattr__(self, name):
+            def call(*args):
+                calls.append(args[-1])
+                return getattr(real(), name)(*args)
+            return call
+
+    monkeypatch.setattr(kernel, "_module", Spy)
+    kernel.paged_attention(*case, 0.125)
+    monkeypatch.setenv(kernel.PATH_ENV, "portable")
+    kernel.paged_attention(*case, 0.125)
+    kernel.silu_mul(torch.randn(2, 8))
+    assert calls == ["auto", "portable", "portable"]
+    monkeypatch.setattr(kernel, "_module", real)
+    with pytest.raises(RuntimeError, match="unknown kernel path"):
+        kernel.silu_mul(torch.randn(2, 8), path="sse2")
+    missing = [p for p in PATHS if p not in paths]
+    for path in missing:  # never a silent fallback to another path
+        with pytest.raises(RuntimeError, match="not available"):
+            kernel.silu_mul(torch.randn(2, 8), path=path)
 
 
 def test_a_row_does_not_depend_on_the_other_rows():
@@ -158,6 +199,71 @@ def test_silu_mul_matches_torch(dtype):
         torch.testing.assert_close(actual, expected, rtol=2e-6, atol=1e-7)
     else:
         bf16_close(actual, expected)
+
+
+def same_bits(a, b):
+    """Bit-identical, where a NaN matches any NaN (which NaN an operation on NaNs returns is
+    the hardware's choice, not part of the arithmetic; torch.equal calls NaN unequal to
+    itself)."""
+    bits = {torch.float32: torch.int32, torch.bfloat16: torch.int16}[a.dtype]
+    nan = a.isnan()
+    return (a.dtype == b.dtype and torch.equal(nan, b.isnan())
+            and torch.equal(a.view(bits)[~nan], b.view(bits)[~nan]))
+
+
+def layer_ops_case(seed, rows, width, dtype):
+    """Inputs for every fused op, with widths that leave tails after whole registers and NaN,
+    infinities, signed zeros and extremes among ordinary values."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(rows, width, generator=g) * 4
+    special = torch.tensor([0.0, -0.0, float("inf"), -float("inf"), float("nan"), 100.0, -100.0,
+                            1e-30, -87.5, 3.4e38])
+    x.view(-1)[: special.numel()] = special
+    return x.to(dtype)
+
+
+@pytest.mark.parametrize("path", VECTOR_PATHS)
+@pytest.mark.parametrize("width", [64, 200, 7, 576])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_vectorized_layer_ops_compute_the_portable_bits(path, width, dtype):
+    require(path)
+    g = torch.Generator().manual_seed(width)
+    x = torch.randn(9, width, generator=g) * 3
+    weight = torch.rand(width, generator=g) + 0.5
+    delta = layer_ops_case(1, 9, width, dtype)
+    for out_dtype in (torch.float32, torch.bfloat16):
+        results = []
+        for p in (path, "portable"):
+            xp = x.clone()
+            results.append((kernel.add_rms_norm(xp, delta, weight, 1e-5, out_dtype, path=p), xp))
+        assert same_bits(results[0][1], results[1][1])  # the residual stream
+        assert same_bits(results[0][0], results[1][0])
+    gate_up = layer_ops_case(2, 9, 2 * width, dtype)
+    fast, portable = (kernel.silu_mul(gate_up, path=p) for p in (path, "portable"))
+    assert same_bits(fast, portable)
+
+
+@pytest.mark.parametrize("path", VECTOR_PATHS)
+@pytest.mark.parametrize("dim", [16, 64, 128, 6])
+@pytest.mark.parametrize(("qkv_dtype", "cache_dtype"),
+                         [(torch.float32, torch.float32), (torch.float32, torch.bfloat16),
+                          (torch.bfloat16, torch.bfloat16)])
+def test_vectorized_rope_write_computes_the_portable_bits(path, dim, qkv_dtype, cache_dtype):
+    require(path)
+    heads, kv_heads, tokens = 6, 2, 13
+    cos_sin = torch.view_as_real(rope_table(positions=64, half_dim=dim // 2)).contiguous()
+    g = torch.Generator().manual_seed(dim)
+    qkv = layer_ops_case(dim, tokens, (heads + 2 * kv_heads) * dim, qkv_dtype)
+    positions = torch.randint(0, 64, (tokens,), generator=g)
+    slots = torch.randperm(5 * 4, generator=g)[:tokens]
+    outs = []
+    for p in (path, "portable"):
+        cache = torch.zeros(5, 4, 2, kv_heads, dim, dtype=cache_dtype)
+        outs.append((kernel.rope_write(qkv, cos_sin, positions, slots, cache, heads, path=p),
+                     cache))
+    (q_fast, cache_fast), (q_portable, cache_portable) = outs
+    assert same_bits(q_fast, q_portable)
+    assert same_bits(cache_fast, cache_portable)
 
 
 def test_layer_ops_rows_do_not_depend_on_the_batch():

@@ -1,18 +1,28 @@
 // The Python module of the CPU kernels, built by engine/cpu_kernels.py.
-#include "kernels.h"
+#include "simd.h"
+
+std::vector<std::string> available_paths() {
+  std::vector<std::string> names;
+  for (auto [path, name] : {std::pair{inherent::Path::kAvx512, "avx512"},
+                            std::pair{inherent::Path::kAvx2, "avx2"},
+                            std::pair{inherent::Path::kPortable, "portable"}})
+    if (inherent::path_available(path)) names.emplace_back(name);
+  return names;
+}
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("available_paths", &available_paths, "implementations this build and CPU run, widest first");
   m.def("paged_attention", &paged_attention,
         "fixed-order paged attention (CPU; float32 or bfloat16 cache)", py::arg("q"),
         py::arg("cache"), py::arg("block_tables"), py::arg("token_seq"), py::arg("positions"),
-        py::arg("scale"), py::arg("portable") = false);
-  m.attr("vectorized") = paged_attention_vectorized();
+        py::arg("scale"), py::arg("path"));
   m.def("add_rms_norm", &add_rms_norm, "x += delta; RMSNorm(x), in place on x", py::arg("x"),
-        py::arg("delta"), py::arg("weight"), py::arg("eps"), py::arg("bf16_out"));
+        py::arg("delta"), py::arg("weight"), py::arg("eps"), py::arg("bf16_out"), py::arg("path"));
   m.def("rope_write", &rope_write, "RoPE on q and k; k and v into the paged cache; q returned",
         py::arg("qkv"), py::arg("cos_sin"), py::arg("positions"), py::arg("slots"),
-        py::arg("cache"), py::arg("num_heads"));
-  m.def("silu_mul", &silu_mul, "silu(gate) * up of a fused gate_up projection", py::arg("gate_up"));
+        py::arg("cache"), py::arg("num_heads"), py::arg("path"));
+  m.def("silu_mul", &silu_mul, "silu(gate) * up of a fused gate_up projection", py::arg("gate_up"),
+        py::arg("path"));
   m.attr("bf16_linear_supported") = bf16_linear_supported();
   m.def("pack_bf16_weight", &pack_bf16_weight, "pack [N, K] for bf16_linear", py::arg("weight"));
   m.def("bf16_linear", &bf16_linear, "x @ W.T: bf16 inputs, float32 accumulation and result",

@@ -11,18 +11,15 @@
 //                 q[h][d] * k[j][d], tree = lanes_sum's fixed pairing of the 16 lanes;
 //   softmax     = max, Cephes exp (explicit FMAs), a 16-lane sum, one multiply by 1 / total;
 //   out[h][d]   = fma chain over keys j = 0..position of weight[h][j] * v[j][d].
-// Two implementations: a portable one (the reference, and the fallback for head sizes and CPUs
-// the vectorized one does not cover) and an AVX-512 one that handles 16 keys at a time: 16 dot
+// Three implementations (engine/csrc/simd.h): a portable one (the reference, and the fallback
+// for head sizes the others do not cover), an AVX-512 one that handles 16 keys at a time (16 dot
 // products' lane vectors are summed by one transposing tree whose additions are lanes_sum's,
-// instead of 16 horizontal sums, and V is accumulated in registers. Tests compare the two bit
+// instead of 16 horizontal sums, and V is accumulated in registers) and an AVX2 one that does
+// the same 8 keys at a time, each 16-lane vector held in two registers. Tests compare them bit
 // for bit. Built with -ffp-contract=off so the compiler fuses nothing we did not write.
-#include "kernels.h"
+#include "simd.h"
 
 #include <ATen/Parallel.h>
-
-#if defined(__AVX512F__)
-#include <immintrin.h>
-#endif
 
 #include <vector>
 
@@ -92,10 +89,21 @@ void attend_portable(const Token<T>& t, std::vector<float>& acc) {
   std::copy(acc.begin(), acc.end(), t.out);
 }
 
+// Pulls a whole slot (K and V of every KV head) into L2, a tile of keys ahead: scattered
+// blocks defeat the hardware prefetcher, and the V half is read again by the weighted sum.
+// Measured, 64 decodes over a bf16 cache of 20 MB per layer on 2 cores: no prefetch 2.07 ms,
+// into L1 2.20 ms (the prefetches stall on L1's few miss buffers), into L2 1.61 ms.
+#if defined(INHERENT_AVX2) || defined(INHERENT_AVX512)
+template <typename T>
+inline void prefetch_slot(const T* slot, int64_t bytes) {
+  const char* p = reinterpret_cast<const char*>(slot);
+  for (int64_t b = 0; b < bytes; b += 64) _mm_prefetch(p + b, _MM_HINT_T1);
+}
+#endif
+
 // ---- AVX-512 implementation (head sizes 64 and 128) -----------------------------------------
 
-#if defined(__AVX512F__)
-constexpr bool kVectorized = true;
+#if defined(INHERENT_AVX512)
 
 inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
 inline __m512 load16(const uint16_t* p) {
@@ -145,15 +153,6 @@ void values(const Token<T>& t, int64_t first, int64_t v_offset) {
       _mm512_storeu_ps(t.out + (first + h) * t.D + 16 * c, acc[h][c]);
 }
 
-// Pulls a whole slot (K and V of every KV head) into L2, a tile of keys ahead: scattered
-// blocks defeat the hardware prefetcher, and the V half is read again by the weighted sum.
-// Measured, 64 decodes over a bf16 cache of 20 MB per layer on 2 cores: no prefetch 2.07 ms,
-// into L1 2.20 ms (the prefetches stall on L1's few miss buffers), into L2 1.61 ms.
-template <typename T>
-inline void prefetch_slot(const T* slot, int64_t bytes) {
-  const char* p = reinterpret_cast<const char*>(slot);
-  for (int64_t b = 0; b < bytes; b += 64) _mm_prefetch(p + b, _MM_HINT_T1);
-}
 
 template <int kChunks, typename T>
 void attend_avx512(const Token<T>& t, std::vector<float>& tile) {
@@ -199,8 +198,93 @@ void attend_avx512(const Token<T>& t, std::vector<float>& tile) {
       }
     }
 }
-#else
-constexpr bool kVectorized = false;
+#endif
+
+// ---- AVX2 implementation (head sizes 64 and 128) --------------------------------------------
+
+#if defined(INHERENT_AVX2)
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load8(const uint16_t* p) { return Avx2::load(p); }
+
+// Lane j of the result is lanes_sum of the 16 lanes whose first stage (lane l + lane l + 8) is
+// h[j], with the same additions: lane l + 4, then + 2, then + 1, for 8 vectors at once.
+inline __m256 sum8(const __m256* h) {
+  __m256 w[4], x[2];
+  for (int i = 0; i < 4; ++i)  // 128-bit half c of w[i]: quarter sums of h[2i + c]
+    w[i] = _mm256_add_ps(_mm256_permute2f128_ps(h[2 * i], h[2 * i + 1], 0x20),
+                         _mm256_permute2f128_ps(h[2 * i], h[2 * i + 1], 0x31));
+  for (int i = 0; i < 2; ++i)  // half c: pairs of h[4i + c] (lanes 0-1), h[4i + 2 + c] (2-3)
+    x[i] = _mm256_add_ps(_mm256_shuffle_ps(w[2 * i], w[2 * i + 1], 0x44),
+                         _mm256_shuffle_ps(w[2 * i], w[2 * i + 1], 0xEE));
+  const __m256 r = _mm256_add_ps(_mm256_shuffle_ps(x[0], x[1], 0x88),
+                                 _mm256_shuffle_ps(x[0], x[1], 0xDD));
+  // r holds h0 h2 h4 h6 | h1 h3 h5 h7: back to key order
+  return _mm256_permutevar8x32_ps(r, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+}
+
+// Weighted sums of V for `kHeads` query heads (first..) over dimensions d0..d0 + 8 kChunks - 1.
+template <int kChunks, int kHeads, typename T>
+void values_avx2(const Token<T>& t, int64_t first, int64_t v_offset, int64_t d0) {
+  __m256 acc[kHeads][kChunks];
+  for (int h = 0; h < kHeads; ++h)
+    for (int c = 0; c < kChunks; ++c) acc[h][c] = _mm256_setzero_ps();
+  const float* w = t.scores + first * t.padded;
+  for (int64_t j = 0; j < t.n; ++j) {
+    const T* v = t.keys[j] + v_offset + d0;
+    __m256 vj[kChunks];
+    for (int c = 0; c < kChunks; ++c) vj[c] = load8(v + 8 * c);
+    for (int h = 0; h < kHeads; ++h) {
+      const __m256 wj = _mm256_set1_ps(w[h * t.padded + j]);
+      for (int c = 0; c < kChunks; ++c) acc[h][c] = _mm256_fmadd_ps(wj, vj[c], acc[h][c]);
+    }
+  }
+  for (int h = 0; h < kHeads; ++h)
+    for (int c = 0; c < kChunks; ++c)
+      _mm256_storeu_ps(t.out + (first + h) * t.D + d0 + 8 * c, acc[h][c]);
+}
+
+template <int kChunks, typename T>  // kChunks: 16-float chunks of a head
+void attend_avx2(const Token<T>& t, std::vector<float>& tile) {
+  constexpr int D = 16 * kChunks, kKeys = 8;
+  const int64_t kv_heads = t.heads / t.group, slot_bytes = 2 * t.v_offset * sizeof(T);
+  tile.resize(kKeys * kv_heads * D);
+  const __m256 scale = _mm256_set1_ps(t.scale);
+  for (int j = 0; j < kLanes; ++j) prefetch_slot(t.keys[j], slot_bytes);
+  for (int64_t first = 0; first < t.n; first += kKeys) {
+    if (first % kLanes == 0 && first + kLanes < t.padded)
+      for (int j = 0; j < kLanes; ++j) prefetch_slot(t.keys[first + kLanes + j], slot_bytes);
+    for (int j = 0; j < kKeys; ++j)  // these 8 keys of every KV head as float: [head][key][D]
+      for (int64_t g = 0; g < kv_heads; ++g)
+        for (int c = 0; c < 2 * kChunks; ++c)
+          _mm256_storeu_ps(tile.data() + (g * kKeys + j) * D + 8 * c,
+                           load8(t.keys[first + j] + g * D + 8 * c));
+    for (int64_t h = 0; h < t.heads; ++h) {
+      const float* k = tile.data() + h / t.group * kKeys * D;
+      const float* q = t.q + h * D;
+      __m256 halves[kKeys];
+      for (int j = 0; j < kKeys; ++j) {
+        __m256 lo = _mm256_setzero_ps(), hi = _mm256_setzero_ps();  // lanes 0-7, 8-15
+        for (int c = 0; c < kChunks; ++c) {
+          lo = _mm256_fmadd_ps(load8(q + 16 * c), load8(k + j * D + 16 * c), lo);
+          hi = _mm256_fmadd_ps(load8(q + 16 * c + 8), load8(k + j * D + 16 * c + 8), hi);
+        }
+        halves[j] = _mm256_add_ps(lo, hi);
+      }
+      _mm256_storeu_ps(t.scores + h * t.padded + first, _mm256_mul_ps(sum8(halves), scale));
+    }
+  }
+  for (int64_t h = 0; h < t.heads; ++h) softmax(t.scores + h * t.padded, t.n);
+  // 32 dimensions of up to 2 query heads per pass: 8 accumulators, 4 V registers
+  for (int64_t g = 0; g < kv_heads; ++g)
+    for (int64_t h = g * t.group; h < (g + 1) * t.group; h += 2)
+      for (int64_t d0 = 0; d0 < D; d0 += 32) {
+        const int64_t v_offset = t.v_offset + g * D;
+        if ((g + 1) * t.group - h >= 2)
+          values_avx2<4, 2>(t, h, v_offset, d0);
+        else
+          values_avx2<4, 1>(t, h, v_offset, d0);
+      }
+}
 #endif
 
 struct Layout {
@@ -211,7 +295,7 @@ struct Layout {
 
 template <typename T>
 void attend(const Layout& L, const float* q, float* out, const int32_t* table, int64_t position,
-            int64_t heads, int64_t D, float scale, bool portable, std::vector<const T*>& keys,
+            int64_t heads, int64_t D, float scale, Path path, std::vector<const T*>& keys,
             std::vector<float>& scores, std::vector<float>& scratch) {
   const int64_t n = position + 1, padded = (n + kLanes - 1) / kLanes * kLanes;
   keys.resize(padded);
@@ -223,9 +307,13 @@ void attend(const Layout& L, const float* q, float* out, const int32_t* table, i
   scores.resize(heads * padded);
   const Token<T> t{q, out, keys.data(), n, padded, heads, heads / L.kv_heads, D, L.v_offset,
                    scale, scores.data()};
-#if defined(__AVX512F__)
-  if (!portable && D == 64) return attend_avx512<4>(t, scratch);
-  if (!portable && D == 128) return attend_avx512<8>(t, scratch);
+#if defined(INHERENT_AVX512)
+  if (path == Path::kAvx512 && D == 64) return attend_avx512<4>(t, scratch);
+  if (path == Path::kAvx512 && D == 128) return attend_avx512<8>(t, scratch);
+#endif
+#if defined(INHERENT_AVX2)
+  if (path == Path::kAvx2 && D == 64) return attend_avx2<4>(t, scratch);
+  if (path == Path::kAvx2 && D == 128) return attend_avx2<8>(t, scratch);
 #endif
   if (D == 64) return attend_portable<64>(t, scratch);
   if (D == 128) return attend_portable<128>(t, scratch);
@@ -237,11 +325,12 @@ void attend(const Layout& L, const float* q, float* out, const int32_t* table, i
 // q: [T, num_heads * head_dim] float32, rows may be strided; cache: [blocks, block_size, 2,
 // kv_heads, head_dim] float32 or bfloat16, contiguous; block_tables: [B, max_blocks] int32;
 // token_seq: [T] int32, each query row's sequence; positions: [T] int64, each row attends keys
-// 0..position. `portable` forces the portable implementation (tests compare the two).
+// 0..position. `path_name`: "auto" or the implementation to force (simd.h; tests compare them).
 // Returns [T, num_heads * head_dim].
 torch::Tensor paged_attention(torch::Tensor q, torch::Tensor cache, torch::Tensor block_tables,
                               torch::Tensor token_seq, torch::Tensor positions, double scale,
-                              bool portable) {
+                              const std::string& path_name) {
+  const Path path = resolve_path(path_name);
   TORCH_CHECK(q.scalar_type() == torch::kFloat32, "q must be float32");
   const bool bf16 = cache.scalar_type() == torch::kBFloat16;
   TORCH_CHECK(bf16 || cache.scalar_type() == torch::kFloat32, "the cache must be float32 or bfloat16");
@@ -287,12 +376,12 @@ torch::Tensor paged_attention(torch::Tensor q, torch::Tensor cache, torch::Tenso
       float* o = out_data + t * heads * head_dim;
       const int32_t* table = L.tables + seq_of[t] * L.max_blocks;
       if (bf16)
-        attend(L, qt, o, table, pos_of[t], heads, head_dim, fscale, portable, keys16, scores, scratch);
+        attend(L, qt, o, table, pos_of[t], heads, head_dim, fscale, path, keys16, scores, scratch);
       else
-        attend(L, qt, o, table, pos_of[t], heads, head_dim, fscale, portable, keys32, scores, scratch);
+        attend(L, qt, o, table, pos_of[t], heads, head_dim, fscale, path, keys32, scores, scratch);
     }
   });
   return out;
 }
 
-bool paged_attention_vectorized() { return kVectorized; }
+

@@ -1,4 +1,4 @@
-// Shared by the CPU kernels (fixed_order_attention.cpp, layer_ops.cpp): the fixed-order sum
+// Shared by the CPU kernels (fixed_order_attention.cpp, layer_ops.cpp, quant_linear.cpp): the fixed-order sum
 // every reduction uses, bf16 <-> float conversions, a vectorizable exp, and the entry points
 // bindings.cpp exposes to Python.
 #pragma once
@@ -9,6 +9,8 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <string>
+#include <vector>
 
 namespace inherent {
 
@@ -67,16 +69,20 @@ inline float exp_nonpositive(float x) {
 
 }  // namespace inherent
 
+// `path`: "auto" or the implementation to force (simd.h).
+std::vector<std::string> available_paths();
+
 torch::Tensor paged_attention(torch::Tensor q, torch::Tensor cache, torch::Tensor block_tables,
                               torch::Tensor token_seq, torch::Tensor positions, double scale,
-                              bool portable);
-bool paged_attention_vectorized();
+                              const std::string& path);
 
 torch::Tensor add_rms_norm(torch::Tensor x, c10::optional<torch::Tensor> delta,
-                           torch::Tensor weight, double eps, bool bf16_out);
+                           torch::Tensor weight, double eps, bool bf16_out,
+                           const std::string& path);
 torch::Tensor rope_write(torch::Tensor qkv, torch::Tensor cos_sin, torch::Tensor positions,
-                         torch::Tensor slots, torch::Tensor cache, int64_t num_heads);
-torch::Tensor silu_mul(torch::Tensor gate_up);
+                         torch::Tensor slots, torch::Tensor cache, int64_t num_heads,
+                         const std::string& path);
+torch::Tensor silu_mul(torch::Tensor gate_up, const std::string& path);
 
 bool bf16_linear_supported();
 torch::Tensor pack_bf16_weight(torch::Tensor w);
