@@ -105,7 +105,7 @@ def bench_ingest(args: argparse.Namespace, workdir: Path) -> dict:
 
     first_s, first = timed_job(settings, folder)
     with rt.sessions() as s:
-        chunks = len(truth.chunks_as_of(s, "bench", truth.current_epoch(s)))
+        chunks = len(truth.chunks_as_of(s, "bench", truth.current_epoch(s, "bench")))
     print(
         f"first ingest: {args.docs} docs, {chunks} chunks in {first_s:.1f} s "
         f"({args.docs / first_s:.1f} docs/s, {chunks / first_s:.1f} chunks/s); {first.summary}"

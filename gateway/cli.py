@@ -125,30 +125,42 @@ def keys_revoke(key_id: str) -> None:
 
 
 @audit_app.command("root")
-def audit_root() -> None:
-    """Print the audit log's size and Merkle root (publish it to detect later rewrites)."""
+def audit_root(
+    tenant: Annotated[str | None, typer.Option(help="One tenant's log (default: every tenant's).")] = None,
+) -> None:
+    """Print each tenant's audit log size and Merkle root (publish them to detect later rewrites)."""
     settings = ready_settings()
     with session_scope(settings.sqlalchemy_url) as session:
-        size, root = audit_log.root(session)
-    typer.echo(json.dumps({"tree_size": size, "root": root.hex()}))
+        tenants = [tenant] if tenant else audit_log.tenants(session)
+        roots = {t: audit_log.root(session, t) for t in tenants}
+    typer.echo(json.dumps({t: {"tree_size": size, "root": root.hex()} for t, (size, root) in roots.items()}))
 
 
 @audit_app.command("verify")
 def audit_verify(
-    root: Annotated[str | None, typer.Option(help="A root published earlier, as SIZE:HEX.")] = None,
+    root: Annotated[
+        list[str] | None,
+        typer.Option(help="A tenant's root published earlier, as TENANT:SIZE:HEX; repeat for several."),
+    ] = None,
 ) -> None:
-    """Recompute every leaf from the database; name any receipt or event edited, deleted or reordered."""
-    published = None
-    if root:
-        size, _, digest = root.partition(":")
-        if not size.isdigit() or len(digest) != 64:
-            fail("--root must look like SIZE:HEX (64 hex digits)")
-        published = (int(size), digest)
+    """Recompute every leaf and subtree from the database; name any receipt or event edited,
+    deleted or reordered."""
+    published: dict[str, tuple[int, str]] = {}
+    for given in root or []:
+        tenant, _, rest = given.rpartition(":")
+        tenant, _, size = tenant.rpartition(":")
+        if not tenant or not size.isdigit() or len(rest) != 64:
+            fail("--root must look like TENANT:SIZE:HEX (64 hex digits)")
+        published[tenant] = (int(size), rest)
     settings = ready_settings()
     with session_scope(settings.sqlalchemy_url) as session:
         report = audit_log.verify(session, published)
     if report.ok:
-        console.print(f"[green]audit log intact[/]: {report.size} leaves, root {report.root}")
+        console.print(
+            f"[green]audit log intact[/]: {report.size} leaves in {len(report.trees)} tenant logs"
+        )
+        for tenant, (size, digest) in sorted(report.trees.items()):
+            console.print(f"  {tenant}: {size} leaves, root {digest}")
         return
     for problem in report.problems:
         err_console.print(f"[red]TAMPERED[/] {problem}")

@@ -161,7 +161,7 @@ def drift_report(services: Services, session: Session, receipt: Receipt) -> dict
     body = receipt.body
     if not body["inherent.retrieval.enabled"]:
         return {"retrieval_enabled": False}
-    now_epoch = current_epoch(session)
+    now_epoch = current_epoch(session, receipt.tenant_id)
     now = memory.retrieve(
         session,
         services.embedder,

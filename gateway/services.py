@@ -88,7 +88,7 @@ class Services:
         chunks: list[memory.RetrievedChunk] = []
         timings = Timings()
         if use_retrieval:
-            current = current_epoch(session)
+            current = current_epoch(session, tenant_id)
             if snapshot is None:
                 snapshot = current
             elif snapshot > current:

@@ -1,21 +1,32 @@
-"""The tamper-evident audit log: an append-only RFC 6962 Merkle log kept in SQL.
+"""The tamper-evident audit log: an append-only RFC 6962 Merkle log per tenant, kept in SQL.
 
 Each leaf is canonical JSON of a small payload that commits to one event: a receipt (its id,
-tenant and the BLAKE3 of its full body) or a truth-store change (a version opened or closed).
-``verify`` recomputes every leaf from the rows it names, so an edited, deleted or reordered
-receipt is found and named; comparing the root with one published earlier catches a rewrite
-of the log itself.
+tenant and the BLAKE3 of its full body) or a truth-store change (a version opened or closed),
+plus a random nonce, so a leaf hash cannot confirm a guess of a payload's fields (a document's
+content hash, say). Every tenant has its own tree: its leaves are numbered from 0, and roots and
+proofs cover its leaves only, so one tenant never sees another's log grow.
+
+The log scales like a transparency log: each append stores the hashes of the complete subtrees
+its leaf completes (``audit_nodes``) and the tenant's frontier (``audit_heads``), so a root, an
+inclusion proof or a consistency proof reads O(log n) rows. ``verify`` still recomputes every
+leaf from the rows it names and every stored subtree from the leaves, so an edited, deleted or
+reordered receipt, or a forged subtree hash, is found and named; comparing a root with one
+published earlier catches a rewrite of the log itself.
 """
 
+import secrets
+from collections import defaultdict
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from sqlalchemy import func, insert, literal, select, text
+from sqlalchemy import and_, insert, or_, select, update
 from sqlalchemy.orm import Session
 
 from provenance import merkle
+from provenance.db import insert_missing
 from provenance.hashing import blake3_hex, canonical_json
-from provenance.models import AuditLeaf, Receipt, SourceVersion
+from provenance.models import AuditHead, AuditLeaf, AuditNode, Receipt, SourceVersion
 
 
 def receipt_leaf_payload(receipt: Receipt) -> dict[str, Any]:
@@ -48,6 +59,21 @@ def version_event_payload(version: SourceVersion, kind: str) -> dict[str, Any]:
     }
 
 
+def leaf_data(kind: str, ref: str, payload: dict[str, Any], nonce: str | None) -> bytes:
+    """The bytes a leaf hash commits to (leaves logged before nonces existed have none)."""
+    leaf: dict[str, Any] = {"kind": kind, "ref": ref, "payload": payload}
+    if nonce is not None:
+        leaf["nonce"] = nonce
+    return canonical_json(leaf)
+
+
+@dataclass(frozen=True, slots=True)
+class LeafEntry:
+    kind: str
+    ref: str
+    payload: dict[str, Any]
+
+
 def append_version_event(session: Session, version: SourceVersion, kind: str) -> int:
     """Log a version opened or closed; call it after the row holds its new epoch bounds."""
     ref = f"{version.tenant_id}/{version.source_id}@{version.version}"
@@ -55,31 +81,10 @@ def append_version_event(session: Session, version: SourceVersion, kind: str) ->
 
 
 def append_leaf(
-    session: Session, kind: str, ref: str, tenant_id: str | None, payload: dict[str, Any]
+    session: Session, kind: str, ref: str, tenant_id: str, payload: dict[str, Any]
 ) -> int:
-    """Append one leaf inside the caller's transaction and return its position (seq)."""
-    data = canonical_json({"kind": kind, "ref": ref, "payload": payload})
-    digest = merkle.leaf_hash(data).hex()
-    if session.get_bind().dialect.name == "postgresql":
-        # Serialize appenders: the next seq is max + 1 and must not be taken twice.
-        session.execute(text("SELECT pg_advisory_xact_lock(6962)"))
-    next_seq = select(func.coalesce(func.max(AuditLeaf.seq) + 1, 0)).scalar_subquery()
-    statement = (
-        insert(AuditLeaf)
-        .from_select(
-            ["seq", "kind", "ref", "tenant_id", "payload", "leaf_hash"],
-            select(
-                next_seq,
-                literal(kind),
-                literal(ref),
-                literal(tenant_id),
-                literal(payload, AuditLeaf.payload.type),
-                literal(digest),
-            ),
-        )
-        .returning(AuditLeaf.seq)
-    )
-    return session.execute(statement).scalar_one()
+    """Append one leaf to the tenant's log inside the caller's transaction; return its index."""
+    return append_leaves(session, tenant_id, [LeafEntry(kind, ref, payload)])[0]
 
 
 def append_receipt(session: Session, receipt: Receipt) -> int:
@@ -88,67 +93,227 @@ def append_receipt(session: Session, receipt: Receipt) -> int:
     )
 
 
-def leaf_hashes(session: Session, size: int | None = None) -> list[bytes]:
-    query = select(AuditLeaf.leaf_hash).order_by(AuditLeaf.seq)
-    if size is not None:
-        query = query.limit(size)
-    return [bytes.fromhex(h) for h in session.scalars(query)]
+def _lock_head(session: Session, tenant_id: str, advance: int) -> tuple[int, list[str]]:
+    """Take the tenant's head row lock until the transaction ends, reserve ``advance`` leaf
+    indexes, and return the size before them and the frontier at that size.
+
+    The UPDATE's row lock queues appenders of one tenant in any process (on SQLite the database
+    write lock does); under READ COMMITTED, which the engine pins, a waiter re-reads the row the
+    holder committed, so no two appenders ever take the same index.
+    """
+    lock = (
+        update(AuditHead)
+        .where(AuditHead.tenant_id == tenant_id)
+        .values(size=AuditHead.size + advance)
+        .returning(AuditHead.size, AuditHead.frontier)
+        .execution_options(synchronize_session=False)
+    )
+    row = session.execute(lock).one_or_none()
+    if row is None:  # the tenant's first leaf; a concurrent first appender may create it too
+        insert_missing(session, AuditHead, [{"tenant_id": tenant_id, "size": 0, "frontier": []}])
+        row = session.execute(lock).one()
+    return row.size - advance, list(row.frontier)
 
 
-def tree_size(session: Session) -> int:
-    return session.scalar(select(func.count()).select_from(AuditLeaf)) or 0
-
-
-def root(session: Session, size: int | None = None) -> tuple[int, bytes]:
-    leaves = leaf_hashes(session, size)
-    if size is not None and len(leaves) < size:
-        raise ValueError(f"the log holds {len(leaves)} leaves, fewer than {size}")
-    return len(leaves), merkle.root(leaves)
-
-
-def inclusion_proof(session: Session, ref: str, kind: str = "receipt") -> dict[str, Any] | None:
-    seq = session.scalar(select(AuditLeaf.seq).where(AuditLeaf.kind == kind, AuditLeaf.ref == ref))
-    if seq is None:
-        return None
-    leaves = leaf_hashes(session)
+def _leaf_row(tenant_id: str, seq: int, entry: LeafEntry) -> dict[str, Any]:
+    nonce = secrets.token_hex(16)
+    digest = merkle.leaf_hash(leaf_data(entry.kind, entry.ref, entry.payload, nonce))
     return {
-        "leaf_index": seq,
-        "tree_size": len(leaves),
-        "leaf_hash": leaves[seq].hex(),
-        "root": merkle.root(leaves).hex(),
-        "audit_path": [h.hex() for h in merkle.inclusion_proof(seq, leaves)],
+        "tenant_id": tenant_id,
+        "seq": seq,
+        "kind": entry.kind,
+        "ref": entry.ref,
+        "payload": entry.payload,
+        "nonce": nonce,
+        "leaf_hash": digest.hex(),
     }
 
 
-def consistency_proof(session: Session, old_size: int, new_size: int) -> dict[str, Any]:
-    leaves = leaf_hashes(session, new_size)
-    if len(leaves) < new_size:
-        raise ValueError(f"the log holds {len(leaves)} leaves, fewer than {new_size}")
+def append_leaves(session: Session, tenant_id: str, entries: Sequence[LeafEntry]) -> list[int]:
+    """Append leaves to the tenant's log in the caller's transaction; return their indexes.
+
+    Writes each leaf, the subtree hashes it completes (amortized one per leaf, at most log2 n)
+    and the new frontier.
+    """
+    if not entries:
+        return []
+    size, frontier = _lock_head(session, tenant_id, len(entries))
+    leaves = [_leaf_row(tenant_id, seq, entry) for seq, entry in enumerate(entries, start=size)]
+    stack, completed = merkle.extend(
+        [bytes.fromhex(h) for h in frontier], size, [bytes.fromhex(x["leaf_hash"]) for x in leaves]
+    )
+    nodes = [
+        {"tenant_id": tenant_id, "level": level, "idx": index, "hash": digest.hex()}
+        for level, index, digest in completed
+    ]
+    session.execute(insert(AuditLeaf), leaves)
+    if nodes:
+        session.execute(insert(AuditNode), nodes)
+    session.execute(
+        update(AuditHead)
+        .where(AuditHead.tenant_id == tenant_id)
+        .values(frontier=[h.hex() for h in stack])
+        .execution_options(synchronize_session=False)
+    )
+    return [leaf["seq"] for leaf in leaves]
+
+
+# ---------------------------------------------------------------------------------------------
+# Reading: O(log n) rows per root or proof
+# ---------------------------------------------------------------------------------------------
+
+
+def _head(session: Session, tenant_id: str) -> tuple[int, list[bytes]]:
+    row = session.execute(
+        select(AuditHead.size, AuditHead.frontier).where(AuditHead.tenant_id == tenant_id)
+    ).one_or_none()
+    return (0, []) if row is None else (row.size, [bytes.fromhex(h) for h in row.frontier])
+
+
+def _tree_root(subtree_roots: list[bytes]) -> bytes:
+    return merkle.fold(subtree_roots) if subtree_roots else merkle.root([])
+
+
+def _stored_subtrees(
+    session: Session, tenant_id: str, keys: set[tuple[int, int]]
+) -> dict[tuple[int, int], bytes]:
+    """Hashes of complete subtrees ``(level, index)``: leaves from the log, the rest stored."""
+    found: dict[tuple[int, int], bytes] = {}
+    seqs = [index for level, index in keys if level == 0]
+    if seqs:
+        rows = session.execute(
+            select(AuditLeaf.seq, AuditLeaf.leaf_hash).where(
+                AuditLeaf.tenant_id == tenant_id, AuditLeaf.seq.in_(seqs)
+            )
+        )
+        found.update(((0, seq), bytes.fromhex(digest)) for seq, digest in rows)
+    by_level: dict[int, list[int]] = defaultdict(list)
+    for level, index in keys:
+        if level:
+            by_level[level].append(index)
+    if by_level:
+        # The tenant in every arm lets each arm be one primary-key lookup.
+        wanted = or_(
+            *(
+                and_(
+                    AuditNode.tenant_id == tenant_id,
+                    AuditNode.level == level,
+                    AuditNode.idx.in_(indexes),
+                )
+                for level, indexes in sorted(by_level.items())
+            )
+        )
+        rows = session.execute(select(AuditNode.level, AuditNode.idx, AuditNode.hash).where(wanted))
+        found.update(((level, index), bytes.fromhex(h)) for level, index, h in rows)
+    missing = keys - found.keys()
+    if missing:
+        raise RuntimeError(
+            f"the audit log of tenant {tenant_id!r} lacks stored subtrees {sorted(missing)[:4]}; "
+            "run 'inherent audit verify'"
+        )
+    return found
+
+
+def _range_hashes(
+    session: Session, tenant_id: str, ranges: list[tuple[int, int]]
+) -> list[bytes]:
+    """MTH(D[a:b]) for each range, from one read of the subtrees that cover them all."""
+    covers = [merkle.subtrees(a, b) for a, b in ranges]
+    stored = _stored_subtrees(session, tenant_id, {key for cover in covers for key in cover})
+    return [merkle.fold([stored[key] for key in cover]) for cover in covers]
+
+
+def tenants(session: Session) -> list[str]:
+    """Every tenant that has a log."""
+    return list(session.scalars(select(AuditHead.tenant_id).order_by(AuditHead.tenant_id)))
+
+
+def tree_size(session: Session, tenant_id: str) -> int:
+    return _head(session, tenant_id)[0]
+
+
+def root(session: Session, tenant_id: str, size: int | None = None) -> tuple[int, bytes]:
+    """The tenant's tree size and root, now or at an earlier ``size``."""
+    current, frontier = _head(session, tenant_id)
+    if size is None or size == current:
+        return current, _tree_root(frontier)
+    if size > current:
+        raise ValueError(f"the log holds {current} leaves, fewer than {size}")
+    if size == 0:
+        return 0, merkle.root([])
+    return size, _range_hashes(session, tenant_id, [(0, size)])[0]
+
+
+def inclusion_proof(
+    session: Session, tenant_id: str, ref: str, kind: str = "receipt"
+) -> dict[str, Any] | None:
+    """The leaf's audit path to the tenant's current root (None: not in the tenant's log)."""
+    seq = session.scalar(
+        select(AuditLeaf.seq).where(
+            AuditLeaf.tenant_id == tenant_id, AuditLeaf.kind == kind, AuditLeaf.ref == ref
+        )
+    )
+    if seq is None:
+        return None
+    size, frontier = _head(session, tenant_id)
+    leaf, *path = _range_hashes(
+        session, tenant_id, [(seq, seq + 1), *merkle.inclusion_ranges(seq, size)]
+    )
+    return {
+        "leaf_index": seq,
+        "tree_size": size,
+        "leaf_hash": leaf.hex(),
+        "root": _tree_root(frontier).hex(),
+        "audit_path": [h.hex() for h in path],
+    }
+
+
+def consistency_proof(
+    session: Session, tenant_id: str, old_size: int, new_size: int
+) -> dict[str, Any]:
+    """Proof that the tenant's tree at ``old_size`` is a prefix of its tree at ``new_size``."""
+    size = tree_size(session, tenant_id)
+    if new_size > size:
+        raise ValueError(f"the log holds {size} leaves, fewer than {new_size}")
+    proof = merkle.consistency_ranges(old_size, new_size)
+    first, second, *path = _range_hashes(
+        session, tenant_id, [(0, old_size), (0, new_size), *proof]
+    )
     return {
         "first": old_size,
         "second": new_size,
-        "first_root": merkle.root(leaves[:old_size]).hex(),
-        "second_root": merkle.root(leaves).hex(),
-        "consistency": [h.hex() for h in merkle.consistency_proof(old_size, leaves)],
+        "first_root": first.hex(),
+        "second_root": second.hex(),
+        "consistency": [h.hex() for h in path],
     }
+
+
+# ---------------------------------------------------------------------------------------------
+# Verifying: everything recomputed from the leaves
+# ---------------------------------------------------------------------------------------------
 
 
 @dataclass
 class VerifyReport:
-    size: int
-    root: str
+    trees: dict[str, tuple[int, str]] = field(default_factory=dict)  # tenant -> (size, root)
     problems: list[str] = field(default_factory=list)
 
     @property
     def ok(self) -> bool:
         return not self.problems
 
+    @property
+    def size(self) -> int:
+        return sum(size for size, _ in self.trees.values())
+
 
 def _expected_payload(session: Session, leaf: AuditLeaf) -> dict[str, Any] | None:
     """What the leaf's payload must be, recomputed from the rows it names (None: row missing)."""
     if leaf.kind == "receipt":
         receipt = session.get(Receipt, leaf.ref)
-        return None if receipt is None else receipt_leaf_payload(receipt)
+        if receipt is None or receipt.tenant_id != leaf.tenant_id:
+            return None
+        return receipt_leaf_payload(receipt)
     if leaf.kind in VERSION_EVENTS:
         p = leaf.payload
         row = session.get(SourceVersion, (p.get("tenant_id"), p.get("source_id"), p.get("version")))
@@ -156,46 +321,106 @@ def _expected_payload(session: Session, leaf: AuditLeaf) -> dict[str, Any] | Non
     return leaf.payload
 
 
-def verify(session: Session, published_root: tuple[int, str] | None = None) -> VerifyReport:
-    """Recompute every leaf from the database and name each receipt or event that does not match."""
-    leaves = list(session.scalars(select(AuditLeaf).order_by(AuditLeaf.seq)))
+def _check_leaves(session: Session, tenant_id: str, leaves: list[AuditLeaf]) -> list[str]:
     problems: list[str] = []
     for position, leaf in enumerate(leaves):
         if leaf.seq != position:
             problems.append(
-                f"audit leaf {position} is missing (next leaf is seq {leaf.seq}): a leaf was deleted"
+                f"tenant {tenant_id}: audit leaf {position} is missing (next leaf is seq "
+                f"{leaf.seq}): a leaf was deleted"
             )
             break
     for leaf in leaves:
-        recomputed = merkle.leaf_hash(
-            canonical_json({"kind": leaf.kind, "ref": leaf.ref, "payload": leaf.payload})
-        ).hex()
-        if recomputed != leaf.leaf_hash:
-            problems.append(
-                f"audit leaf {leaf.seq} ({leaf.kind} {leaf.ref}): stored leaf hash does not match its payload"
-            )
+        name = f"{leaf.kind} {leaf.ref} (leaf {leaf.seq} of tenant {tenant_id})"
+        recomputed = merkle.leaf_hash(leaf_data(leaf.kind, leaf.ref, leaf.payload, leaf.nonce))
+        if recomputed.hex() != leaf.leaf_hash:
+            problems.append(f"{name}: stored leaf hash does not match its payload")
             continue
         expected = _expected_payload(session, leaf)
         if expected is None:
-            problems.append(
-                f"{leaf.kind} {leaf.ref} (leaf {leaf.seq}): the row it names was deleted"
-            )
+            problems.append(f"{name}: the row it names was deleted")
         elif expected != leaf.payload:
-            problems.append(
-                f"{leaf.kind} {leaf.ref} (leaf {leaf.seq}): the row was edited after it was logged"
+            problems.append(f"{name}: the row was edited after it was logged")
+    return problems
+
+
+def _check_stored_tree(session: Session, tenant_id: str, hashes: list[bytes]) -> list[str]:
+    """Every stored subtree and the head must be what the leaves hash to: proofs are served
+    from them, so a forged one would prove a leaf the log does not hold."""
+    problems: list[str] = []
+    stored = {
+        (level, index): digest
+        for level, index, digest in session.execute(
+            select(AuditNode.level, AuditNode.idx, AuditNode.hash).where(
+                AuditNode.tenant_id == tenant_id
             )
-    logged = {leaf.ref for leaf in leaves if leaf.kind == "receipt"}
-    for receipt_id in session.scalars(select(Receipt.id)):
-        if receipt_id not in logged:
-            problems.append(f"receipt {receipt_id}: not in the audit log (inserted outside it)")
-    hashes = [bytes.fromhex(leaf.leaf_hash) for leaf in leaves]
-    current_root = merkle.root(hashes)
-    if published_root is not None:
-        size, expected_root = published_root
-        if size > len(hashes):
-            problems.append(f"published root covers {size} leaves but the log holds {len(hashes)}")
-        elif merkle.root(hashes[:size]).hex() != expected_root:
-            problems.append(
-                f"the first {size} leaves no longer hash to the published root: the log was rewritten"
+        )
+    }
+    level, nodes = 0, hashes
+    while len(nodes) > 1:
+        level += 1
+        nodes = [merkle.node_hash(nodes[i], nodes[i + 1]) for i in range(0, len(nodes) - 1, 2)]
+        for index, node in enumerate(nodes):
+            digest = stored.pop((level, index), None)
+            if digest != node.hex():
+                state = "is missing" if digest is None else "does not match its leaves"
+                problems.append(
+                    f"tenant {tenant_id}: stored subtree (level {level}, index {index}) {state}"
+                )
+    problems += [
+        f"tenant {tenant_id}: stored subtree (level {level}, index {index}) covers leaves the log "
+        "does not hold"
+        for level, index in sorted(stored)
+    ]
+    size, frontier = _head(session, tenant_id)
+    if size != len(hashes) or _tree_root(frontier) != merkle.root(hashes):
+        problems.append(
+            f"tenant {tenant_id}: the stored head (size {size}) does not match the log's "
+            f"{len(hashes)} leaves"
+        )
+    return problems
+
+
+def verify(
+    session: Session, published_roots: Mapping[str, tuple[int, str]] | None = None
+) -> VerifyReport:
+    """Recompute every tenant's leaves from the database and its tree from the leaves; name each
+    receipt, event or stored hash that does not match. ``published_roots``: tenant -> (size,
+    root hex) published earlier."""
+    published_roots = published_roots or {}
+    report = VerifyReport()
+    logs = (
+        set(session.scalars(select(AuditLeaf.tenant_id).distinct()))
+        | set(tenants(session))
+        | set(published_roots)
+    )
+    logged: set[tuple[str, str]] = set()
+    for tenant_id in sorted(logs):
+        leaves = list(
+            session.scalars(
+                select(AuditLeaf).where(AuditLeaf.tenant_id == tenant_id).order_by(AuditLeaf.seq)
             )
-    return VerifyReport(size=len(hashes), root=current_root.hex(), problems=problems)
+        )
+        logged.update((tenant_id, leaf.ref) for leaf in leaves if leaf.kind == "receipt")
+        report.problems += _check_leaves(session, tenant_id, leaves)
+        hashes = [bytes.fromhex(leaf.leaf_hash) for leaf in leaves]
+        report.problems += _check_stored_tree(session, tenant_id, hashes)
+        report.trees[tenant_id] = (len(hashes), merkle.root(hashes).hex())
+        if tenant_id in published_roots:
+            size, expected_root = published_roots[tenant_id]
+            if size > len(hashes):
+                report.problems.append(
+                    f"tenant {tenant_id}: published root covers {size} leaves but the log holds "
+                    f"{len(hashes)}"
+                )
+            elif merkle.root(hashes[:size]).hex() != expected_root:
+                report.problems.append(
+                    f"tenant {tenant_id}: the first {size} leaves no longer hash to the published "
+                    "root: the log was rewritten"
+                )
+    for receipt_id, tenant_id in session.execute(select(Receipt.id, Receipt.tenant_id)):
+        if (tenant_id, receipt_id) not in logged:
+            report.problems.append(
+                f"receipt {receipt_id}: not in tenant {tenant_id}'s audit log (inserted outside it)"
+            )
+    return report

@@ -1,8 +1,9 @@
 """Database engine and sessions for the configured URL (SQLite embedded, PostgreSQL in production)."""
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from functools import lru_cache
+from typing import Any
 
 from sqlalchemy import Engine, create_engine, event
 from sqlalchemy.orm import Session, sessionmaker
@@ -36,7 +37,10 @@ def get_engine(url: str) -> Engine:
         event.listen(engine, "connect", _sqlite_on_connect)
         event.listen(engine, "begin", _sqlite_on_begin)
         return engine
-    return create_engine(url, pool_pre_ping=True)
+    # Pinned rather than left to the server's default_transaction_isolation: the row locks that
+    # serialize epoch and audit-log writers rely on a waiter re-reading the row its predecessor
+    # committed, which REPEATABLE READ and SERIALIZABLE answer with a serialization failure.
+    return create_engine(url, pool_pre_ping=True, isolation_level="READ COMMITTED")
 
 
 @lru_cache(maxsize=8)
@@ -62,3 +66,17 @@ def session_scope(url: str, write: bool = False) -> Iterator[Session]:
         raise
     finally:
         session.close()
+
+
+def insert_missing(session: Session, model: type, rows: Sequence[dict[str, Any]]) -> None:
+    """INSERT rows, skipping those whose primary key already exists (ON CONFLICT DO NOTHING)."""
+    if not rows:
+        return
+    dialect = session.get_bind().dialect.name
+    if dialect == "postgresql":
+        from sqlalchemy.dialects.postgresql import insert
+    elif dialect == "sqlite":
+        from sqlalchemy.dialects.sqlite import insert
+    else:  # pragma: no cover - only the two supported databases
+        raise RuntimeError(f"unsupported database dialect {dialect!r}")
+    session.execute(insert(model).on_conflict_do_nothing(), list(rows))

@@ -36,35 +36,100 @@ def root(leaves: list[bytes]) -> bytes:
     return level[0]
 
 
+def fold(subtree_hashes: list[bytes]) -> bytes:
+    """MTH of a range from the roots of its complete subtrees, largest (leftmost) first.
+
+    RFC 6962 splits a tree at the largest power of two below its size, so its left part is
+    complete and its right part splits again: the root is the right fold of the subtrees.
+    """
+    result = subtree_hashes[-1]
+    for left in reversed(subtree_hashes[:-1]):
+        result = node_hash(left, result)
+    return result
+
+
+def extend(
+    frontier: list[bytes], size: int, leaves: list[bytes]
+) -> tuple[list[bytes], list[tuple[int, int, bytes]]]:
+    """Append leaf hashes to a tree of ``size`` leaves given by its ``frontier`` (the roots of the
+    complete subtrees covering it, largest first: one per set bit of the size).
+
+    Returns the new frontier and every subtree ``(level, index, hash)``, level >= 1, that the new
+    leaves complete: a leaf completes one per trailing one bit of its index, so the frontier works
+    like a binary counter.
+    """
+    stack = list(frontier)
+    completed: list[tuple[int, int, bytes]] = []
+    for count, leaf in enumerate(leaves, start=size + 1):
+        stack.append(leaf)
+        level = 0
+        while count & 1 == 0:  # the subtree at level + 1 that ends at this leaf is complete
+            count, level = count >> 1, level + 1
+            right = stack.pop()
+            stack.append(node_hash(stack.pop(), right))
+            completed.append((level, count - 1, stack[-1]))
+    return stack, completed
+
+
+def subtrees(start: int, end: int) -> list[tuple[int, int]]:
+    """The complete subtrees ``(level, index)`` covering leaves [start, end), leftmost first.
+
+    Subtree (level, index) holds leaves [index * 2^level, (index + 1) * 2^level). Every range
+    that RFC 6962's recursion asks the hash of starts at a multiple of a power of two at least
+    as large as the range, so its binary decomposition lands on aligned subtrees.
+    """
+    found, size = [], end - start
+    for level in reversed(range(size.bit_length())):
+        if size >> level & 1:
+            found.append((level, start >> level))
+            start += 1 << level
+    return found
+
+
+def inclusion_ranges(index: int, size: int) -> list[tuple[int, int]]:
+    """Leaf ranges whose MTHs make PATH(index, D[size]), in the proof's order (RFC 6962 2.1.1)."""
+    if not 0 <= index < size:
+        raise IndexError(f"leaf {index} is outside a tree of size {size}")
+    ranges, start, end = [], 0, size
+    while end - start > 1:
+        k = _split(end - start)
+        if index < start + k:
+            ranges.append((start + k, end))
+            end = start + k
+        else:
+            ranges.append((start, start + k))
+            start += k
+    return ranges[::-1]  # the recursion lists the sibling nearest the leaf first
+
+
+def consistency_ranges(old_size: int, new_size: int) -> list[tuple[int, int]]:
+    """Leaf ranges whose MTHs make PROOF(old_size, D[new_size]), in order (RFC 6962 2.1.2)."""
+    if not 0 < old_size <= new_size:
+        raise ValueError(
+            f"consistency needs 0 < old size <= new size, got {old_size} and {new_size}"
+        )
+    ranges, start, end, m, complete = [], 0, new_size, old_size, True
+    while m != end - start:
+        k = _split(end - start)
+        if m <= k:
+            ranges.append((start + k, end))
+            end = start + k
+        else:
+            ranges.append((start, start + k))
+            start, m, complete = start + k, m - k, False
+    if not complete:  # SUBPROOF(m, D[m], false) is the old tree's last subtree itself
+        ranges.append((start, end))
+    return ranges[::-1]
+
+
 def inclusion_proof(index: int, leaves: list[bytes]) -> list[bytes]:
     """Audit path for leaf ``index`` in the tree of ``leaves`` (RFC 6962 PATH(m, D[n]))."""
-    n = len(leaves)
-    if not 0 <= index < n:
-        raise IndexError(f"leaf {index} is outside a tree of size {n}")
-    if n == 1:
-        return []
-    k = _split(n)
-    if index < k:
-        return [*inclusion_proof(index, leaves[:k]), root(leaves[k:])]
-    return [*inclusion_proof(index - k, leaves[k:]), root(leaves[:k])]
+    return [root(leaves[a:b]) for a, b in inclusion_ranges(index, len(leaves))]
 
 
 def consistency_proof(old_size: int, leaves: list[bytes]) -> list[bytes]:
     """Proof that the first ``old_size`` leaves are a prefix of ``leaves`` (RFC 6962 PROOF(m, D[n]))."""
-    n = len(leaves)
-    if not 0 < old_size <= n:
-        raise ValueError(f"consistency needs 0 < old size <= new size, got {old_size} and {n}")
-    return _subproof(old_size, leaves, complete=True)
-
-
-def _subproof(m: int, leaves: list[bytes], complete: bool) -> list[bytes]:
-    n = len(leaves)
-    if m == n:
-        return [] if complete else [root(leaves)]
-    k = _split(n)
-    if m <= k:
-        return [*_subproof(m, leaves[:k], complete), root(leaves[k:])]
-    return [*_subproof(m - k, leaves[k:], False), root(leaves[:k])]
+    return [root(leaves[a:b]) for a, b in consistency_ranges(old_size, len(leaves))]
 
 
 def verify_inclusion(

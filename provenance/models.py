@@ -55,26 +55,31 @@ class ApiKey(Base):
 
 
 class Epoch(Base):
-    """One commit of the truth store. Every ingestion commit adds exactly one row."""
+    """One commit of a tenant's truth store. Every ingestion commit adds exactly one row.
+
+    Epochs count per tenant: one tenant's commits never move another's epoch.
+    """
 
     __tablename__ = "epochs"
-    epoch: Mapped[int] = mapped_column(BigInteger().with_variant(Integer, "sqlite"), primary_key=True, autoincrement=False)
+    tenant_id: Mapped[str] = mapped_column(String(64), primary_key=True)
+    epoch: Mapped[int] = mapped_column(BigInteger, primary_key=True, autoincrement=False)
     committed_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow, index=True)
-    tenant_id: Mapped[str | None] = mapped_column(String(64))
     job_id: Mapped[str | None] = mapped_column(String(32))
     summary: Mapped[dict[str, Any]] = mapped_column(JSON, default=dict)
 
 
 class EpochCounter(Base):
-    """The single row writers lock to take the next epoch (SELECT ... FOR UPDATE semantics).
+    """One row per tenant that its writers lock to take the next epoch (SELECT ... FOR UPDATE
+    semantics).
 
-    Its row lock, held until the writer commits, also serializes the write window in which vector
-    points exist before their SQL rows, so a sweep that takes the same lock never mistakes an
-    in-flight commit's points for orphans.
+    Its row lock, held until the writer commits, also serializes the tenant's write window in
+    which vector points exist before their SQL rows, so a sweep of the tenant that takes the same
+    lock never mistakes an in-flight commit's points for orphans. Writers of other tenants lock
+    other rows and do not wait.
     """
 
     __tablename__ = "epoch_counter"
-    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=False)
+    tenant_id: Mapped[str] = mapped_column(String(64), primary_key=True)
     value: Mapped[int] = mapped_column(BigInteger)
 
 
@@ -176,15 +181,44 @@ class Receipt(Base):
 
 
 class AuditLeaf(Base):
-    """Append-only Merkle log (RFC 6962 shape, BLAKE3): receipts and truth-store events."""
+    """Append-only Merkle log per tenant (RFC 6962 shape, BLAKE3): receipts and truth-store events.
+
+    ``seq`` is the leaf's index in its tenant's tree.
+    """
 
     __tablename__ = "audit_log"
-    seq: Mapped[int] = mapped_column(BigInteger().with_variant(Integer, "sqlite"), primary_key=True, autoincrement=False)
+    __table_args__ = (Index("ix_audit_log_tenant_ref", "tenant_id", "ref"),)
+    tenant_id: Mapped[str] = mapped_column(String(64), primary_key=True)
+    seq: Mapped[int] = mapped_column(BigInteger, primary_key=True, autoincrement=False)
     # receipt | version_opened | version_closed
     kind: Mapped[str] = mapped_column(String(32))
-    ref: Mapped[str] = mapped_column(String(600), index=True)
-    tenant_id: Mapped[str | None] = mapped_column(String(64))
-    # The leaf's data: canonical JSON of this payload is what leaf_hash commits to.
+    ref: Mapped[str] = mapped_column(String(600))
+    # The leaf's data: canonical JSON of kind, ref, payload and nonce is what leaf_hash commits to.
     payload: Mapped[dict[str, Any]] = mapped_column(JSON)
+    # Random, so a leaf hash cannot confirm a guess of the payload; NULL on leaves logged before
+    # nonces existed (their data has no nonce field).
+    nonce: Mapped[str | None] = mapped_column(String(32))
     leaf_hash: Mapped[str] = mapped_column(String(64))
     created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+
+
+class AuditNode(Base):
+    """The hash of one complete subtree of a tenant's log, written when its last leaf is appended:
+    leaves [idx * 2^level, (idx + 1) * 2^level), level >= 1 (level 0 is ``audit_log.leaf_hash``).
+    Roots and proofs read O(log n) of these instead of every leaf."""
+
+    __tablename__ = "audit_nodes"
+    tenant_id: Mapped[str] = mapped_column(String(64), primary_key=True)
+    level: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=False)
+    idx: Mapped[int] = mapped_column(BigInteger, primary_key=True, autoincrement=False)
+    hash: Mapped[str] = mapped_column(String(64))
+
+
+class AuditHead(Base):
+    """A tenant's log size and frontier (the roots of the complete subtrees that cover it, largest
+    first). Appenders lock this row, which serializes a tenant's appends in any process."""
+
+    __tablename__ = "audit_heads"
+    tenant_id: Mapped[str] = mapped_column(String(64), primary_key=True)
+    size: Mapped[int] = mapped_column(BigInteger)
+    frontier: Mapped[list[Any]] = mapped_column(JSON)

@@ -6,8 +6,11 @@ and ONE new epoch it opens a version for every source whose content changed (clo
 it supersedes) and closes versions that are deprecated or deleted (tombstones: history stays).
 Identical content (same BLAKE3) is a no-op that takes no epoch.
 
-Write order (vectors first, SQL last): the writer locks the epoch counter row, which hands it
-the next epoch and holds every other writer (and the sweep) off until it commits; it writes the
+Epochs count per tenant: each tenant has its own counter row, so one tenant's commits neither
+move another's epoch nor wait for another's writers.
+
+Write order (vectors first, SQL last): the writer locks its tenant's epoch counter row, which hands
+it the next epoch and holds the tenant's other writers (and its sweep) off until it commits; it writes the
 new versions' points with ``valid_from`` = that epoch, then commits SQL. Only after the commit
 does it mark the closed versions' points (``valid_to``). A crash before the commit leaves points
 no SQL row names (invisible: retrieval checks hits against SQL, and ``sweep`` deletes them); a
@@ -28,6 +31,7 @@ from sqlalchemy import func, select, update
 from sqlalchemy.orm import Session
 
 from provenance.audit_log import append_version_event
+from provenance.db import insert_missing
 from provenance.hashing import blake3_hex
 from provenance.models import (
     OPEN_EPOCH,
@@ -215,41 +219,28 @@ CLOSE_STATUSES = ("deprecated", "deleted")
 # ---------------------------------------------------------------------------------------------
 
 
-def _lock_writers(session: Session, advance: int) -> int:
-    """Lock the epoch counter row until this transaction ends; return the counter after adding
-    ``advance``. The UPDATE is the transaction's first write, which on SQLite also takes the
-    database write lock (waiting on busy_timeout), and on PostgreSQL makes concurrent writers
-    queue on the row and read the incremented value once the holder commits."""
-    counter = session.execute(
+def _lock_writers(session: Session, tenant_id: str, advance: int) -> int:
+    """Lock the tenant's epoch counter row until this transaction ends; return the counter after
+    adding ``advance``. The UPDATE is the transaction's first write, which on SQLite also takes
+    the database write lock (waiting on busy_timeout), and on PostgreSQL makes the tenant's
+    concurrent writers queue on the row and read the incremented value once the holder commits."""
+    lock = (
         update(EpochCounter)
-        .where(EpochCounter.id == 1)
+        .where(EpochCounter.tenant_id == tenant_id)
         .values(value=EpochCounter.value + advance)
         .returning(EpochCounter.value)
-    ).scalar_one_or_none()
-    if counter is None:
-        raise RuntimeError(
-            "the epoch_counter row is missing: run the migrations (inherent db upgrade)"
-        )
+        .execution_options(synchronize_session=False)
+    )
+    counter = session.execute(lock).scalar_one_or_none()
+    if counter is None:  # the tenant's first write; a concurrent first writer may create it too
+        insert_missing(session, EpochCounter, [{"tenant_id": tenant_id, "value": 0}])
+        counter = session.execute(lock).scalar_one()
     return counter
 
 
 def ensure_tenant(session: Session, tenant_id: str) -> None:
     """Create the tenant row if it does not exist (safe against a concurrent creator)."""
     insert_missing(session, Tenant, [{"id": tenant_id, "name": tenant_id}])
-
-
-def insert_missing(session: Session, model: type, rows: Sequence[dict[str, Any]]) -> None:
-    """INSERT rows, skipping those whose primary key already exists (ON CONFLICT DO NOTHING)."""
-    if not rows:
-        return
-    dialect = session.get_bind().dialect.name
-    if dialect == "postgresql":
-        from sqlalchemy.dialects.postgresql import insert
-    elif dialect == "sqlite":
-        from sqlalchemy.dialects.sqlite import insert
-    else:  # pragma: no cover - only the two supported databases
-        raise RuntimeError(f"unsupported database dialect {dialect!r}")
-    session.execute(insert(model).on_conflict_do_nothing(), list(rows))
 
 
 def _latest_rows(
@@ -306,7 +297,7 @@ def commit(
     closing: list[SourceVersion] = []
     session = sessions()
     try:
-        epoch = _lock_writers(session, advance=1)
+        epoch = _lock_writers(session, tenant_id, advance=1)
         ensure_tenant(session, tenant_id)
         latest = _latest_rows(
             session, tenant_id, [d.source_id for d in upserts] + [s for s, _ in closes]
@@ -443,13 +434,17 @@ def close_source(
 # ---------------------------------------------------------------------------------------------
 
 
-def current_epoch(session: Session) -> int:
-    return session.scalar(select(func.coalesce(func.max(Epoch.epoch), 0))) or 0
+def current_epoch(session: Session, tenant_id: str) -> int:
+    """The tenant's last committed epoch (0: before its first commit)."""
+    query = select(func.coalesce(func.max(Epoch.epoch), 0)).where(Epoch.tenant_id == tenant_id)
+    return session.scalar(query) or 0
 
 
-def epoch_at(session: Session, when: datetime) -> int:
-    """The last epoch committed at or before ``when`` (0: before the first commit)."""
-    query = select(func.coalesce(func.max(Epoch.epoch), 0)).where(Epoch.committed_at <= when)
+def epoch_at(session: Session, tenant_id: str, when: datetime) -> int:
+    """The tenant's last epoch committed at or before ``when`` (0: before its first commit)."""
+    query = select(func.coalesce(func.max(Epoch.epoch), 0)).where(
+        Epoch.tenant_id == tenant_id, Epoch.committed_at <= when
+    )
     return session.scalar(query) or 0
 
 
@@ -464,7 +459,10 @@ def as_of(
     if epoch is not None and at is not None:
         raise ValueError("give an epoch or a time, not both")
     if epoch is None:
-        epoch = epoch_at(session, at) if at is not None else current_epoch(session)
+        if at is not None:
+            epoch = epoch_at(session, tenant_id, at)
+        else:
+            epoch = current_epoch(session, tenant_id)
     rows = session.scalars(
         select(SourceVersion)
         .where(SourceVersion.tenant_id == tenant_id, _visible_at(epoch))
@@ -585,20 +583,21 @@ def expected_points(session: Session, tenant_id: str | None = None) -> dict[str,
 def sweep(
     sessions: SessionFactory,
     index: VectorIndex,
-    tenant_id: str | None = None,
+    tenant_id: str,
     *,
     model_id: str | None = None,
 ) -> SweepReport:
-    """Make the index mirror SQL: delete points no committed chunk names (left by a crash before
-    a commit), rewrite payloads that disagree with SQL (a close cut short), and, given the
+    """Make the index mirror SQL for one tenant: delete points no committed chunk names (left by
+    a crash before a commit), rewrite payloads that disagree with SQL (a close cut short), and, given the
     embedding ``model_id``, restore missing or mismatched points from the embeddings cache.
 
-    Holds the writers' lock throughout, so no commit is between its vector and SQL writes.
+    Holds the tenant's writers' lock throughout, so none of its commits is between its vector
+    and SQL writes.
     """
     report = SweepReport()
     session = sessions()
     try:
-        _lock_writers(session, advance=0)
+        _lock_writers(session, tenant_id, advance=0)
         expected = expected_points(session, tenant_id)
         orphans: list[str] = []
         repairs: list[IndexPoint] = []

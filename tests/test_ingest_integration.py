@@ -227,7 +227,7 @@ def test_a_worker_ingests_then_versions_changes_and_deletions(deployment, tmp_pa
 
     sessions = get_sessionmaker(settings.database_url)
     with sessions() as s:
-        assert truth.current_epoch(s) == 3
+        assert truth.current_epoch(s, "acme") == 3
         at_1 = {v.source_id: v.version for v in truth.as_of(s, "acme", epoch=1).versions}
         at_2 = {v.source_id: v.version for v in truth.as_of(s, "acme", epoch=2).versions}
         at_3 = {v.source_id: v.version for v in truth.as_of(s, "acme", epoch=3).versions}
@@ -307,7 +307,7 @@ def test_a_worker_killed_mid_job_and_the_job_run_again_converge(deployment, tmp_
         for source in truth.list_sources(s, "acme"):
             assert [v.version for v in truth.list_versions(s, "acme", source.source_id)] == [1]
         stored = {}
-        for chunk in truth.chunks_as_of(s, "acme", truth.current_epoch(s)):
+        for chunk in truth.chunks_as_of(s, "acme", truth.current_epoch(s, "acme")):
             stored.setdefault(chunk.source_id, []).append(chunk.chunk_hash)
     assert stored == {
         name: [c.chunk_hash for c in chunker.chunk(normalize_text(text))]

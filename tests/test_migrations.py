@@ -1,17 +1,21 @@
 """The Alembic chain runs up and down on SQLite and on PostgreSQL and matches the models."""
 
+from datetime import UTC, datetime, timedelta
+
 import pytest
+import sqlalchemy as sa
 from alembic.autogenerate import compare_metadata
 from alembic.migration import MigrationContext
 from sqlalchemy import inspect
 
-from provenance import migrate
-from provenance.db import get_engine
-from provenance.models import Base
+from provenance import audit_log, merkle, migrate, truth
+from provenance.db import get_engine, session_scope
+from provenance.models import Base, EpochCounter, Receipt
 
 TABLES = {
     "tenants", "api_keys", "sources", "source_versions", "chunks", "epochs",
-    "ingestion_jobs", "receipts", "audit_log", "embeddings",
+    "ingestion_jobs", "receipts", "audit_log", "audit_nodes", "audit_heads", "embeddings",
+    "epoch_counter",
 }
 
 
@@ -37,3 +41,95 @@ def test_chain_up_and_down_on_sqlite(sqlite_url):
 @pytest.mark.integration
 def test_chain_up_and_down_on_postgresql(pg_url):
     check_chain(pg_url)
+
+
+# A store as revision 0002 left it: one global audit log with two tenants' receipts interleaved,
+# and one global epoch sequence.
+LEGACY_RECEIPTS = [("acme", "r0"), ("beta", "r1"), ("acme", "r2"), ("beta", "r3"), ("acme", "r4")]
+LEGACY_EPOCHS = [(1, "acme"), (2, "beta"), (3, "acme")]
+
+
+def legacy_receipt(tenant: str, receipt_id: str) -> Receipt:
+    return Receipt(
+        id=receipt_id, tenant_id=tenant, api_key_id=None, status="ok", snapshot_epoch=1,
+        model_id="m", weights_hash="w", prompt_hash=f"p-{receipt_id}",
+        output_hash=f"o-{receipt_id}", body={"receipt_id": receipt_id},
+    )
+
+
+def write_legacy_store(url: str) -> dict[str, list[bytes]]:
+    """Fill a database at revision 0002; return each tenant's leaf hashes in logged order."""
+    migrate.upgrade(url, "0002")
+    table = lambda name, *cols: sa.table(name, *(sa.column(c) for c in cols))  # noqa: E731
+    now = datetime.now(UTC)
+    leaves: dict[str, list[bytes]] = {}
+    with get_engine(url).begin() as connection:
+        connection.execute(
+            table("tenants", "id", "name", "created_at").insert(),
+            [{"id": t, "name": t, "created_at": now} for t in ("acme", "beta")],
+        )
+        receipts, log = [], []
+        for seq, (tenant, receipt_id) in enumerate(LEGACY_RECEIPTS):
+            receipt = legacy_receipt(tenant, receipt_id)
+            receipts.append(
+                {c.name: getattr(receipt, c.key) for c in Receipt.__table__.columns} | {"created_at": now}
+            )
+            payload = audit_log.receipt_leaf_payload(receipt)
+            digest = merkle.leaf_hash(audit_log.leaf_data("receipt", receipt_id, payload, None))
+            leaves.setdefault(tenant, []).append(digest)
+            log.append({"seq": seq, "kind": "receipt", "ref": receipt_id, "tenant_id": tenant,
+                        "payload": payload, "leaf_hash": digest.hex(),
+                        "created_at": now + timedelta(milliseconds=seq)})
+        connection.execute(sa.insert(Receipt.__table__), receipts)
+        legacy_log = sa.table("audit_log", *(sa.column(c) for c in ("seq", "kind", "ref", "tenant_id", "leaf_hash", "created_at")), sa.column("payload", sa.JSON()))
+        connection.execute(legacy_log.insert(), log)
+        connection.execute(
+            sa.table("epochs", sa.column("epoch"), sa.column("tenant_id"), sa.column("committed_at"), sa.column("summary", sa.JSON())).insert(),
+            [{"epoch": e, "tenant_id": t, "committed_at": now, "summary": {}} for e, t in LEGACY_EPOCHS],
+        )
+        connection.execute(sa.text("UPDATE epoch_counter SET value = 3"))
+    return leaves
+
+
+def check_data_migration(url: str) -> None:
+    leaves = write_legacy_store(url)
+    migrate.upgrade(url)
+    with session_scope(url) as session:
+        assert audit_log.verify(session).ok
+        for tenant, hashes in leaves.items():
+            # Each tenant's leaves, in their old order, now make a tree of their own.
+            assert audit_log.root(session, tenant) == (len(hashes), merkle.root(hashes))
+            refs = [r for t, r in LEGACY_RECEIPTS if t == tenant]
+            for index, ref in enumerate(refs):
+                proof = audit_log.inclusion_proof(session, tenant, ref)
+                assert proof["leaf_index"] == index
+                assert proof["audit_path"] == [h.hex() for h in merkle.inclusion_proof(index, hashes)]
+        assert audit_log.inclusion_proof(session, "beta", "r0") is None
+        # Epochs keep their numbers and belong to their tenants; each counter goes on from its own.
+        assert (truth.current_epoch(session, "acme"), truth.current_epoch(session, "beta")) == (3, 2)
+        assert dict(session.execute(sa.select(EpochCounter.tenant_id, EpochCounter.value)).all()) == {"acme": 3, "beta": 2}
+
+    # Back down to one global log, in the order the leaves were logged...
+    migrate.downgrade(url, "0002")
+    with get_engine(url).connect() as connection:
+        rows = connection.execute(sa.text("SELECT seq, ref FROM audit_log ORDER BY seq")).all()
+        assert [ref for _, ref in rows] == [r for _, r in LEGACY_RECEIPTS]
+        assert connection.execute(sa.text("SELECT value FROM epoch_counter")).scalar() == 3
+    # ...and up again; a leaf with a nonce then pins the store to the per-tenant schema.
+    migrate.upgrade(url)
+    with session_scope(url, write=True) as session:
+        receipt = legacy_receipt("beta", "r5")
+        session.add(receipt)
+        session.flush()
+        assert audit_log.append_receipt(session, receipt) == 2
+    with pytest.raises(RuntimeError, match="1 audit leaves carry a nonce"):
+        migrate.downgrade(url, "0002")
+
+
+def test_data_migrates_to_per_tenant_logs_on_sqlite(sqlite_url):
+    check_data_migration(sqlite_url)
+
+
+@pytest.mark.integration
+def test_data_migrates_to_per_tenant_logs_on_postgresql(pg_url):
+    check_data_migration(pg_url)

@@ -5,7 +5,7 @@ from datetime import UTC, datetime, timedelta
 
 import numpy as np
 import pytest
-from sqlalchemy import func, select
+from sqlalchemy import func, select, update
 
 from provenance import memory, truth
 from provenance.models import (
@@ -84,9 +84,9 @@ def versions(sessions, source_id, tenant="acme"):
         return truth.list_versions(s, tenant, source_id)
 
 
-def current(sessions):
+def current(sessions, tenant="acme"):
     with sessions() as s:
-        return truth.current_epoch(s)
+        return truth.current_epoch(s, tenant)
 
 
 def test_a_new_source_opens_version_1_in_epoch_1(sessions, index):
@@ -241,7 +241,7 @@ def test_concurrent_writers_get_distinct_consecutive_epochs_on_postgresql(pg_url
 
 def retrieve(sessions, index, query, epoch=None, top_k=10):
     with sessions() as s:
-        epoch = truth.current_epoch(s) if epoch is None else epoch
+        epoch = truth.current_epoch(s, "acme") if epoch is None else epoch
         found = memory.retrieve(s, TextEmbedder(), index, query, "acme", epoch, top_k)
     return [(c.source_id, c.version, c.text) for c in found.chunks]
 
@@ -325,11 +325,40 @@ def test_sweep_restores_missing_points_from_the_embedding_cache(sessions, index)
     assert hit.chunk_id == lost
 
 
-def test_the_epoch_counter_is_required(sessions, index):
-    with sessions() as s, s.begin():
-        s.execute(EpochCounter.__table__.delete())
-    with pytest.raises(RuntimeError, match="migrations"):
-        commit(sessions, index, draft("a", ["x"]))
+def test_epochs_count_per_tenant(sessions, index):
+    commit(sessions, index, draft("a", ["x"]))
+    commit(sessions, index, draft("a", ["y"]))
+    assert commit(sessions, index, draft("a", ["z"]), tenant="beta").epoch == 1
+    assert (current(sessions), current(sessions, "beta"), current(sessions, "nobody")) == (2, 1, 0)
+    with sessions() as s:
+        assert [v.version for v in truth.as_of(s, "acme", epoch=1).versions] == [1]
+        assert [v.version for v in truth.as_of(s, "beta").versions] == [1]
+        assert s.scalars(select(EpochCounter.value).order_by(EpochCounter.tenant_id)).all() == [2, 1]
+
+
+@pytest.mark.integration
+def test_writers_of_different_tenants_do_not_wait_for_each_other_on_postgresql(pg_url, tmp_path):
+    sessions = migrated_sessions(pg_url)
+    index = make_index("edge", tmp_path)
+    commit(sessions, index, draft("a", ["x"]))
+    holder = sessions()
+    holder.execute(
+        update(EpochCounter).where(EpochCounter.tenant_id == "acme").values(value=EpochCounter.value)
+    )  # acme's writers' lock, held open
+    try:
+        other = threading.Thread(target=commit, args=(sessions, index, draft("b", ["y"])), kwargs={"tenant": "beta"})
+        other.start()
+        other.join(timeout=20)
+        assert not other.is_alive(), "beta's commit waited for acme's writers' lock"
+        same = threading.Thread(target=commit, args=(sessions, index, draft("c", ["z"])))
+        same.start()
+        same.join(timeout=1)
+        assert same.is_alive(), "acme's second writer did not wait for the lock"
+    finally:
+        holder.rollback()
+        holder.close()
+    same.join(timeout=20)
+    assert (current(sessions), current(sessions, "beta")) == (2, 1)
 
 
 def test_sql_rows_match_the_points_after_a_run_of_changes(sessions, index):

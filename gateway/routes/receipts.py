@@ -24,7 +24,7 @@ def receipt_out(session, receipt) -> ReceiptOut:
         status=receipt.status,
         created_at=receipt.body["created_at"],
         body=receipt.body,
-        inclusion_proof=audit_log.inclusion_proof(session, receipt.id),
+        inclusion_proof=audit_log.inclusion_proof(session, receipt.tenant_id, receipt.id),
     )
 
 
@@ -62,8 +62,9 @@ def read_receipts(
 
 
 @router.get("/v1/audit/root")
-def audit_root(_: AuditPrincipal, session: SessionDep) -> dict:
-    size, root = audit_log.root(session)
+def audit_root(principal: AuditPrincipal, session: SessionDep) -> dict:
+    """The caller's tenant's tree: each tenant's log is its own."""
+    size, root = audit_log.root(session, principal.tenant_id)
     return {
         "tree_size": size,
         "root": root.hex(),
@@ -75,12 +76,12 @@ def audit_root(_: AuditPrincipal, session: SessionDep) -> dict:
 
 @router.get("/v1/audit/consistency")
 def audit_consistency(
-    _: AuditPrincipal,
+    principal: AuditPrincipal,
     session: SessionDep,
     first: Annotated[int, Query(alias="from", ge=1)],
     second: Annotated[int, Query(alias="to", ge=1)],
 ) -> dict:
-    size = audit_log.tree_size(session)
+    size = audit_log.tree_size(session, principal.tenant_id)
     if first > second or second > size:
         raise APIError(
             400,
@@ -88,7 +89,7 @@ def audit_consistency(
             param="to",
             code="invalid_range",
         )
-    return audit_log.consistency_proof(session, first, second)
+    return audit_log.consistency_proof(session, principal.tenant_id, first, second)
 
 
 @router.post("/v1/receipts/{receipt_id}/replay")
