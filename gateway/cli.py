@@ -1,6 +1,7 @@
 """The ``inherent`` command line: serve the API, ingest, ask, replay, audit and operate."""
 
 import json
+from collections import Counter
 from pathlib import Path
 from typing import Annotated
 
@@ -349,7 +350,7 @@ def follow_job(settings: Settings, job_id: str):
 
 
 def print_job(status) -> None:
-    keys = ("added", "updated", "unchanged", "deprecated", "deleted", "failed")
+    keys = ("added", "updated", "unchanged", "deprecated", "deleted", "failed", "skipped")
     summary = {k: status.summary.get(k, 0) for k in keys}
     style = "green" if status.state == "succeeded" else "red"
     console.print(f"job {status.id}: [{style}]{status.state}[/] {json.dumps(summary)}")
@@ -358,6 +359,10 @@ def print_job(status) -> None:
     )
     for source, reason in sorted(status.errors.items()):
         console.print(f"  [red]failed[/] {source}: {reason}")
+    skipped = Counter(Path(s).suffix or "(no extension)" for s in status.summary.get("skipped_sources", {}))
+    if skipped:
+        types = ", ".join(f"{suffix} {n}" for suffix, n in skipped.most_common())
+        console.print(f"  [yellow]skipped[/] (unsupported types): {types}")
     if status.summary.get("error"):
         console.print(f"  [red]error[/] {status.summary['error']}")
 

@@ -29,7 +29,7 @@ from sqlalchemy import select
 
 from ingest.chunking import Chunker
 from ingest.embedding import TransformersEmbedder, load_embedder
-from ingest.loaders import load_paths
+from ingest.loaders import Limits, load_paths
 from ingest.pipeline import Cleanup, IndexProgress, chunker_for, index_sources
 from provenance import truth
 from provenance.db import get_sessionmaker, session_scope
@@ -64,7 +64,8 @@ class JobStatus:
     chunks_embedded: int
     chunks_skipped: int
     errors: dict[str, str]  # source id -> reason
-    # When done: added/updated/unchanged/deprecated/deleted/failed counts, epochs, sweep report;
+    # When done: added/updated/unchanged/deprecated/deleted/failed/skipped counts, the skipped
+    # sources with their reasons, epochs, sweep report;
     # when failed: "error".
     summary: dict[str, Any]
     celery_task_id: str | None
@@ -261,7 +262,7 @@ def run_ingestion_job(settings: Settings, job_id: str) -> JobStatus:
         rt = runtime(settings)
         loaded = load_paths(
             request["paths"],
-            max_file_bytes=settings.max_file_bytes,
+            limits=Limits.of(settings),
             prefix=request.get("prefix", ""),
         )
 
@@ -279,6 +280,7 @@ def run_ingestion_job(settings: Settings, job_id: str) -> JobStatus:
         result = index_sources(
             loaded.documents,
             failures=loaded.failures,
+            skipped=loaded.skipped,
             tenant_id=tenant_id,
             sessions=rt.sessions,
             embedder=rt.embedder,
@@ -297,7 +299,12 @@ def run_ingestion_job(settings: Settings, job_id: str) -> JobStatus:
             settings, job_id, state="failed", summary={"error": f"{type(error).__name__}: {error}"}
         )
         raise
-    summary = {**result.counts(), "epochs": result.epochs, "sweep": asdict(swept)}
+    summary = {
+        **result.counts(),
+        "skipped_sources": result.skips,
+        "epochs": result.epochs,
+        "sweep": asdict(swept),
+    }
     return _update_job(settings, job_id, state="succeeded", errors=result.errors, summary=summary)
 
 

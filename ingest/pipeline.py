@@ -49,9 +49,11 @@ class IndexResult:
     deprecated: int = 0
     deleted: int = 0
     failed: int = 0
+    skipped: int = 0  # files of a type no loader handles: neither loaded nor failed
     chunks_embedded: int = 0  # chunk texts that went through the model
     chunks_skipped: int = 0  # chunks of new versions whose vector was already cached
     errors: dict[str, str] = field(default_factory=dict)  # source id -> reason
+    skips: dict[str, str] = field(default_factory=dict)  # skipped source id -> reason
     epochs: list[int] = field(default_factory=list)  # the epochs this run committed
 
     def counts(self) -> dict[str, int]:
@@ -62,6 +64,7 @@ class IndexResult:
             "deprecated": self.deprecated,
             "deleted": self.deleted,
             "failed": self.failed,
+            "skipped": self.skipped,
             "chunks_embedded": self.chunks_embedded,
             "chunks_skipped": self.chunks_skipped,
         }
@@ -85,6 +88,7 @@ def index_sources(
     index: VectorIndex,
     chunker: Chunker,
     failures: Sequence[LoadFailure] = (),
+    skipped: Sequence[LoadFailure] = (),
     cleanup: Cleanup = None,
     cleanup_prefix: str = "",
     progress: Callable[[IndexProgress], None] | None = None,
@@ -94,17 +98,20 @@ def index_sources(
     """Index ``documents`` for a tenant and return what changed.
 
     ``failures`` are sources that did not load: they count as failed and, being present in the
-    input, are never cleaned up. ``cleanup=None`` only adds and updates; ``cleanup="full"`` also
+    input, are never cleaned up; ``skipped`` (unsupported types) are counted apart and likewise
+    kept. ``cleanup=None`` only adds and updates; ``cleanup="full"`` also
     deletes (tombstones) every open source whose id starts with ``cleanup_prefix`` and is
     missing from the input, in one epoch after the batches.
     """
     if cleanup not in (None, "full"):
         raise ValueError(f"cleanup must be None or 'full', not {cleanup!r}")
     result = IndexResult()
-    total = len(documents) + len(failures)
+    total = len(documents) + len(failures) + len(skipped)
     for failure in failures:
         result.errors[failure.source_id] = failure.reason
-    seen: dict[str, str] = {f.source_id: f.uri for f in failures}
+    result.skips = {s.source_id: s.reason for s in skipped}
+    result.skipped = len(result.skips)
+    seen: dict[str, str] = {f.source_id: f.uri for f in [*skipped, *failures]}
     unique: list[Document] = []
     for doc in documents:
         if doc.source_id in seen:

@@ -81,6 +81,11 @@ class Settings(BaseSettings):
     chunk_tokens: int = Field(256, gt=16)
     chunk_overlap: int = Field(32, ge=0)
     max_file_bytes: int = Field(20 * 1024 * 1024, gt=0)
+    # Compressed files and archives (ingest/loaders/archive.py): what one input file may expand
+    # to in all, how many times its stored size, and how many members it may hold.
+    archive_max_expanded_bytes: int = Field(256 * 1024 * 1024, gt=0)
+    archive_max_ratio: float = Field(200.0, gt=1)
+    archive_max_members: int = Field(10_000, gt=0)
 
     retrieval_top_k: int = Field(4, gt=0)
     retrieval_min_score: float = Field(0.3, ge=-1.0, le=1.0)

@@ -158,17 +158,50 @@ def test_a_pdf_without_text_is_an_empty_document(tmp_path):
 @pytest.mark.parametrize(
     ("name", "content", "reason"),
     [
-        ("latin1.txt", "café".encode("latin-1"), "not valid UTF-8 text (byte 3)"),
         ("binary.txt", b"abc\x00def", "contains NUL characters: binary data, not text"),
         ("blank.md", b" \n\t\n", "empty document"),
-        ("image.png", b"\x89PNG", "unsupported file type '.png'"),
-        ("Makefile", b"all:", "unsupported file type '(no extension)'"),
+        (
+            "cut.txt.gz",
+            b"\x1f\x8b\x08\x00garbage",
+            "corrupt gz data: Compressed file ended before the end-of-stream marker was reached",
+        ),
     ],
 )
 def test_bad_input_is_a_failure_with_a_reason(tmp_path, name, content, reason):
     (tmp_path / name).write_bytes(content)
     failure = only_failure(load_path(tmp_path / name))
     assert (failure.source_id, failure.reason) == (name, reason)
+
+
+@pytest.mark.parametrize(
+    ("name", "content", "reason"),
+    [
+        ("image.png", b"\x89PNG", "unsupported file type '.png'"),
+        ("data.bin", b"\x00\x01", "unsupported file type '.bin'"),
+        (
+            "program",
+            b"\x7fELF\x00\x00",
+            "unsupported file type '(no extension)' (contains NUL characters: binary data, not text)",
+        ),
+    ],
+)
+def test_unsupported_types_are_skipped_not_failed(tmp_path, name, content, reason):
+    (tmp_path / name).write_bytes(content)
+    result = load_path(tmp_path / name)
+    assert (result.documents, result.failures) == ([], [])
+    [skip] = result.skipped
+    assert (skip.source_id, skip.reason) == (name, reason)
+
+
+def test_files_named_by_convention_are_read_as_text(tmp_path):
+    for name in ["README", "copyright", "changelog.Debian"]:
+        (tmp_path / name).write_text(f"The {name} file.")
+    result = load_path(tmp_path)
+    assert [(d.source_id, d.kind, d.text) for d in result.documents] == [
+        ("README", "text", "The README file."),
+        ("changelog.Debian", "text", "The changelog.Debian file."),
+        ("copyright", "text", "The copyright file."),
+    ]
 
 
 def test_utf16_with_a_bom_is_read(tmp_path):
@@ -212,7 +245,8 @@ def test_a_folder_is_walked_recursively_in_sorted_order(tmp_path):
         "docs/sub/deeper/c.md",
         "docs/sub/z.txt",
     ]
-    assert [(f.source_id, f.reason) for f in result.failures] == [
+    assert result.failures == []
+    assert [(f.source_id, f.reason) for f in result.skipped] == [
         ("docs/sub/skip.bin", "unsupported file type '.bin'")
     ]
     assert load_path(root, prefix="docs/") == result  # deterministic
