@@ -7,7 +7,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ingest.chunking import Chunker, is_anchor, normalize_text
+from ingest.chunking import Chunker, has_content, is_anchor, normalize_text
 from ingest.embedding import bundled_model_dir, load_tokenizer
 from provenance.truth import content_hash
 
@@ -199,3 +199,8 @@ def test_chunker_rejects_budgets_it_cannot_honour(tokenizer):
 
 def test_empty_text_has_no_chunks(chunker):
     assert chunker.chunk("") == []
+
+
+@given(st.text(alphabet=st.sampled_from(" \n\t\x00\x1f\x7f\x85\u200b\ufeff\u00ad\u2028\u3000\xa0a\u0301")))
+def test_has_content_says_whether_normalizing_leaves_anything(text):
+    assert has_content(text) == bool(normalize_text(text))

@@ -31,6 +31,13 @@ _DECLARED_CHARSET = re.compile(
     re.IGNORECASE,
 )
 _NO_BOM_NO_UTF = ["utf_16", "utf_16_be", "utf_16_le", "utf_32", "utf_32_be", "utf_32_le", "utf_7"]
+_MULTI_BYTE = [
+    "big5", "big5hkscs", "cp932", "cp949", "cp950", "euc_jis_2004", "euc_jisx0213", "euc_jp",
+    "euc_kr", "gb18030", "gb2312", "gbk", "hz", "iso2022_jp", "iso2022_kr", "johab",
+    "shift_jis", "shift_jis_2004", "shift_jisx0213",
+]  # fmt: skip
+_HIGH_BYTES = [bytes([b]) for b in range(0x80, 0x100)]
+# Among the guesses that fit about as well as the best, the charsets most text is written in.
 _PREFERRED = ("cp1252", "iso8859_15", "latin_1", "cp932", "euc_jp", "gb18030", "big5", "euc_kr")
 # Browsers read these labels as windows-1252 (WHATWG Encoding), and so do the pages' authors.
 _WINDOWS_1252_LABELS = {"latin_1", "ascii", "iso8859_1"}
@@ -59,13 +66,22 @@ def _detect(data: bytes) -> tuple[str, str] | None:
     from charset_normalizer import from_bytes
 
     # UTF-16/32 only with a BOM (taken above): without one, they "fit" any even-length bytes.
-    matches = from_bytes(data, cp_exclusion=_NO_BOM_NO_UTF)
+    excluded = list(_NO_BOM_NO_UTF)
+    # Mostly ASCII with a few high bytes (an English changelog thanking "Fran\xe7ois") is a
+    # single-byte charset; a CJK codec would pair each high byte with the letter after it.
+    if sum(map(data.count, _HIGH_BYTES)) < 0.05 * len(data):
+        excluded += _MULTI_BYTE
+    matches = from_bytes(data, cp_exclusion=excluded)
     best = matches.best()
     if best is None:
         return None
-    tied = [m for m in matches if (m.chaos, m.coherence) == (best.chaos, best.coherence)]
+    close = [
+        m
+        for m in matches
+        if m.chaos <= best.chaos + 0.05 and m.coherence >= best.coherence - 0.1
+    ]
     for preferred in _PREFERRED:
-        for match in tied:
+        for match in close:
             if preferred in match.could_be_from_charset:
                 return data.decode(preferred), preferred
     return str(best), best.encoding

@@ -8,7 +8,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from ingest.chunking import normalize_text
+from ingest.chunking import has_content, normalize_text
 from ingest.loaders.base import Document, LoadFailure
 
 
@@ -39,7 +39,7 @@ def check(document: Document) -> Document | LoadFailure:
         return fail(f"text {problem}")  # NUL in text is dropped by normalization
     if problem := _metadata_problem(document.metadata):
         return fail(f"metadata {problem}")
-    if not normalize_text(document.text):
+    if not has_content(document.text):
         return fail("empty document")
     title = clean_title(document.title)
     if title == document.title:
