@@ -20,6 +20,7 @@ from typing import Literal
 from ingest.chunking import Chunker, normalize_text
 from ingest.embedding import Embedder, TransformersEmbedder, embed_with_cache
 from ingest.loaders import Document, LoadFailure
+from ingest.loaders.validate import check
 from provenance import truth
 from provenance.models import Source
 from provenance.settings import Settings
@@ -120,9 +121,13 @@ def index_sources(
             )
         elif not 0 < len(doc.source_id) <= MAX_SOURCE_ID:
             result.errors[doc.source_id] = f"source id must be 1 to {MAX_SOURCE_ID} characters"
+        # Documents built by callers, not the loaders, are checked too: one that cannot be
+        # stored (a lone surrogate, NUL in its id) would otherwise fail its whole batch.
+        elif isinstance(checked := check(doc), LoadFailure):
+            result.errors[doc.source_id] = checked.reason
         else:
             seen[doc.source_id] = doc.uri
-            unique.append(doc)
+            unique.append(checked)
     # Set aside what is already the open version, so batches hold only changed sources.
     prepared = [_Prepared(doc, normalize_text(doc.text)) for doc in unique]
     with sessions() as session:

@@ -361,3 +361,21 @@ def test_the_celery_task_retries_transient_failures_with_backoff(monkeypatch):
     monkeypatch.setattr(jobs, "run_ingestion_job", broken)
     result = task.apply(args=["job-3"])
     assert isinstance(result.result, ZeroDivisionError) and attempts == ["job-3"]  # no retry
+
+
+def test_documents_that_cannot_be_stored_fail_alone(store, minilm):
+    """Documents from callers other than the loaders get the loaders' checks."""
+    result = run(
+        store,
+        [
+            doc("ok", PARAGRAPHS[0]),
+            Document("bad\0id", "text", "file:///x", "text"),
+            Document("surrogate", "broken \ud800", "file:///y", "text"),
+        ],
+        minilm,
+    )
+    assert (result.added, result.failed) == (1, 2)
+    assert result.errors == {
+        "bad\0id": "source id contains a NUL character",
+        "surrogate": "text is not valid Unicode (a lone surrogate at character 7)",
+    }

@@ -26,7 +26,6 @@ def load_epub(data: bytes) -> Extracted:
         if item is None or item.get_type() != ebooklib.ITEM_DOCUMENT:
             continue
         content = item.get_content()
-        chapter_title, text = html_to_text(decode(content, declared_charset(content))[0])
-        chapters.append(f"# {chapter_title}\n\n{text}" if chapter_title and chapter_title != title else text)
+        chapters.append(html_to_text(decode(content, declared_charset(content))[0])[1])
     text, starts = sections(chapters)
     return Extracted(text, title, {"chapter_starts": starts} if starts else {})
