@@ -15,12 +15,11 @@ published earlier catches a rewrite of the log itself.
 """
 
 import secrets
-from collections import defaultdict
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from sqlalchemy import and_, insert, or_, select, update
+from sqlalchemy import bindparam, insert, select, update
 from sqlalchemy.orm import Session
 
 from provenance import merkle
@@ -143,7 +142,7 @@ def append_leaves(session: Session, tenant_id: str, entries: Sequence[LeafEntry]
         [bytes.fromhex(h) for h in frontier], size, [bytes.fromhex(x["leaf_hash"]) for x in leaves]
     )
     nodes = [
-        {"tenant_id": tenant_id, "level": level, "idx": index, "hash": digest.hex()}
+        {"tenant_id": tenant_id, "node": merkle.node_number(level, index), "hash": digest.hex()}
         for level, index, digest in completed
     ]
     session.execute(insert(AuditLeaf), leaves)
@@ -163,10 +162,25 @@ def append_leaves(session: Session, tenant_id: str, entries: Sequence[LeafEntry]
 # ---------------------------------------------------------------------------------------------
 
 
+# Statements built once: the SQL compilation cache serves them whatever the number of subtrees
+# asked (expanding IN lists), where a statement built per call would cost more than the query.
+_LEAF, _NODE, _HEAD = AuditLeaf.__table__, AuditNode.__table__, AuditHead.__table__
+_READ_HEAD = select(_HEAD.c.size, _HEAD.c.frontier).where(_HEAD.c.tenant_id == bindparam("tenant"))
+_READ_LEAVES = select(_LEAF.c.seq, _LEAF.c.leaf_hash).where(
+    _LEAF.c.tenant_id == bindparam("tenant"), _LEAF.c.seq.in_(bindparam("seqs", expanding=True))
+)
+_READ_NODES = select(_NODE.c.node, _NODE.c.hash).where(
+    _NODE.c.tenant_id == bindparam("tenant"), _NODE.c.node.in_(bindparam("nodes", expanding=True))
+)
+_FIND_LEAF = select(_LEAF.c.seq).where(
+    _LEAF.c.tenant_id == bindparam("tenant"),
+    _LEAF.c.ref == bindparam("ref"),
+    _LEAF.c.kind == bindparam("kind"),
+)
+
+
 def _head(session: Session, tenant_id: str) -> tuple[int, list[bytes]]:
-    row = session.execute(
-        select(AuditHead.size, AuditHead.frontier).where(AuditHead.tenant_id == tenant_id)
-    ).one_or_none()
+    row = session.execute(_READ_HEAD, {"tenant": tenant_id}).one_or_none()
     return (0, []) if row is None else (row.size, [bytes.fromhex(h) for h in row.frontier])
 
 
@@ -181,30 +195,12 @@ def _stored_subtrees(
     found: dict[tuple[int, int], bytes] = {}
     seqs = [index for level, index in keys if level == 0]
     if seqs:
-        rows = session.execute(
-            select(AuditLeaf.seq, AuditLeaf.leaf_hash).where(
-                AuditLeaf.tenant_id == tenant_id, AuditLeaf.seq.in_(seqs)
-            )
-        )
+        rows = session.execute(_READ_LEAVES, {"tenant": tenant_id, "seqs": seqs})
         found.update(((0, seq), bytes.fromhex(digest)) for seq, digest in rows)
-    by_level: dict[int, list[int]] = defaultdict(list)
-    for level, index in keys:
-        if level:
-            by_level[level].append(index)
-    if by_level:
-        # The tenant in every arm lets each arm be one primary-key lookup.
-        wanted = or_(
-            *(
-                and_(
-                    AuditNode.tenant_id == tenant_id,
-                    AuditNode.level == level,
-                    AuditNode.idx.in_(indexes),
-                )
-                for level, indexes in sorted(by_level.items())
-            )
-        )
-        rows = session.execute(select(AuditNode.level, AuditNode.idx, AuditNode.hash).where(wanted))
-        found.update(((level, index), bytes.fromhex(h)) for level, index, h in rows)
+    nodes = [merkle.node_number(level, index) for level, index in keys if level]
+    if nodes:
+        rows = session.execute(_READ_NODES, {"tenant": tenant_id, "nodes": nodes})
+        found.update((merkle.node_position(n), bytes.fromhex(digest)) for n, digest in rows)
     missing = keys - found.keys()
     if missing:
         raise RuntimeError(
@@ -248,11 +244,7 @@ def inclusion_proof(
     session: Session, tenant_id: str, ref: str, kind: str = "receipt"
 ) -> dict[str, Any] | None:
     """The leaf's audit path to the tenant's current root (None: not in the tenant's log)."""
-    seq = session.scalar(
-        select(AuditLeaf.seq).where(
-            AuditLeaf.tenant_id == tenant_id, AuditLeaf.kind == kind, AuditLeaf.ref == ref
-        )
-    )
+    seq = session.scalar(_FIND_LEAF, {"tenant": tenant_id, "ref": ref, "kind": kind})
     if seq is None:
         return None
     size, frontier = _head(session, tenant_id)
@@ -349,11 +341,9 @@ def _check_stored_tree(session: Session, tenant_id: str, hashes: list[bytes]) ->
     from them, so a forged one would prove a leaf the log does not hold."""
     problems: list[str] = []
     stored = {
-        (level, index): digest
-        for level, index, digest in session.execute(
-            select(AuditNode.level, AuditNode.idx, AuditNode.hash).where(
-                AuditNode.tenant_id == tenant_id
-            )
+        merkle.node_position(node): digest
+        for node, digest in session.execute(
+            select(AuditNode.node, AuditNode.hash).where(AuditNode.tenant_id == tenant_id)
         )
     }
     level, nodes = 0, hashes

@@ -71,6 +71,19 @@ def extend(
     return stack, completed
 
 
+def node_number(level: int, index: int) -> int:
+    """Subtree (level, index)'s position in an in-order walk of the infinite perfect tree: leaves
+    at even numbers, a subtree at 2^level - 1 past a multiple of 2^(level + 1). One integer per
+    subtree, so a set of subtrees is looked up with one IN list on one indexed column."""
+    return (index << (level + 1)) | ((1 << level) - 1)
+
+
+def node_position(number: int) -> tuple[int, int]:
+    """(level, index) of ``node_number``: the level is the count of trailing one bits."""
+    level = ((number + 1) & -(number + 1)).bit_length() - 1
+    return level, number >> (level + 1)
+
+
 def subtrees(start: int, end: int) -> list[tuple[int, int]]:
     """The complete subtrees ``(level, index)`` covering leaves [start, end), leftmost first.
 

@@ -204,13 +204,13 @@ class AuditLeaf(Base):
 
 class AuditNode(Base):
     """The hash of one complete subtree of a tenant's log, written when its last leaf is appended:
-    leaves [idx * 2^level, (idx + 1) * 2^level), level >= 1 (level 0 is ``audit_log.leaf_hash``).
+    subtree (level, index) holds leaves [index * 2^level, (index + 1) * 2^level), level >= 1
+    (level 0 is ``audit_log.leaf_hash``), and is keyed by ``merkle.node_number(level, index)``.
     Roots and proofs read O(log n) of these instead of every leaf."""
 
     __tablename__ = "audit_nodes"
     tenant_id: Mapped[str] = mapped_column(String(64), primary_key=True)
-    level: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=False)
-    idx: Mapped[int] = mapped_column(BigInteger, primary_key=True, autoincrement=False)
+    node: Mapped[int] = mapped_column(BigInteger, primary_key=True, autoincrement=False)
     hash: Mapped[str] = mapped_column(String(64))
 
 

@@ -101,6 +101,13 @@ def proof(m: int, leaves: list[bytes]) -> list[bytes]:
     return subproof(m, leaves, True)
 
 
+def test_node_numbers_are_one_to_one():
+    seen = {merkle.node_number(level, index) for level in range(40) for index in range(300)}
+    assert len(seen) == 40 * 300
+    for level, index in [(0, 0), (1, 0), (3, 5), (20, 2**30 + 1), (62, 0)]:
+        assert merkle.node_position(merkle.node_number(level, index)) == (level, index)
+
+
 @given(st.integers(min_value=1, max_value=70), st.data())
 def test_proofs_verify_independently(n, data):
     leaves = [h_leaf(i.to_bytes(4, "big")) for i in range(n)]
@@ -197,7 +204,9 @@ def rebuild_stored_tree(url: str, tenant: str) -> None:
         ]
         frontier, nodes = merkle.extend([], 0, hashes)
         session.execute(delete(AuditNode).where(AuditNode.tenant_id == tenant))
-        session.add_all(AuditNode(tenant_id=tenant, level=lv, idx=i, hash=h.hex()) for lv, i, h in nodes)
+        session.add_all(
+            AuditNode(tenant_id=tenant, node=merkle.node_number(lv, i), hash=h.hex()) for lv, i, h in nodes
+        )
         head = session.get(AuditHead, tenant)
         head.frontier = [h.hex() for h in frontier]
 
@@ -224,7 +233,7 @@ def test_rewritten_log_fails_against_published_root(logged_receipts):
 
 def test_forged_subtree_is_named(logged_receipts):
     with session_scope(logged_receipts, write=True) as session:
-        session.get(AuditNode, ("acme", 1, 2)).hash = "00" * 32
+        session.get(AuditNode, ("acme", merkle.node_number(1, 2))).hash = "00" * 32
     assert problems(logged_receipts) == [
         "tenant acme: stored subtree (level 1, index 2) does not match its leaves"
     ]

@@ -59,13 +59,7 @@ def _audit_log_table(tenant_key: sa.PrimaryKeyConstraint, *extra: sa.Column) -> 
 
 def _build_trees(bind: sa.Connection) -> None:
     """Every tenant's stored subtrees and frontier, from its leaf hashes in order."""
-    nodes = sa.table(
-        "audit_nodes",
-        sa.column("tenant_id"),
-        sa.column("level"),
-        sa.column("idx"),
-        sa.column("hash"),
-    )
+    nodes = sa.table("audit_nodes", sa.column("tenant_id"), sa.column("node"), sa.column("hash"))
     heads = sa.table("audit_heads", sa.column("tenant_id"), sa.column("size"), sa.column("frontier", sa.JSON()))
     tenants = bind.execute(sa.text("SELECT DISTINCT tenant_id FROM audit_log ORDER BY tenant_id"))
     for (tenant_id,) in tenants.fetchall():
@@ -90,7 +84,11 @@ def _build_trees(bind: sa.Connection) -> None:
                 bind.execute(
                     nodes.insert(),
                     [
-                        {"tenant_id": tenant_id, "level": level, "idx": index, "hash": h.hex()}
+                        {
+                            "tenant_id": tenant_id,
+                            "node": merkle.node_number(level, index),
+                            "hash": h.hex(),
+                        }
                         for level, index, h in completed
                     ],
                 )
@@ -122,10 +120,9 @@ def upgrade() -> None:
     op.create_table(
         "audit_nodes",
         sa.Column("tenant_id", sa.String(length=64), nullable=False),
-        sa.Column("level", sa.Integer(), autoincrement=False, nullable=False),
-        sa.Column("idx", sa.BigInteger(), autoincrement=False, nullable=False),
+        sa.Column("node", sa.BigInteger(), autoincrement=False, nullable=False),
         sa.Column("hash", sa.String(length=64), nullable=False),
-        sa.PrimaryKeyConstraint("tenant_id", "level", "idx"),
+        sa.PrimaryKeyConstraint("tenant_id", "node"),
     )
     op.create_table(
         "audit_heads",
