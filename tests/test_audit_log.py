@@ -248,7 +248,11 @@ def test_cli_verify_names_the_row(logged_receipts, monkeypatch, tmp_path):
     runner = CliRunner()
     result = runner.invoke(app, ["audit", "root"])
     assert result.exit_code == 0 and json.loads(result.stdout)["acme"]["tree_size"] == 6
-    assert runner.invoke(app, ["audit", "verify"]).exit_code == 0
+    published = f"acme:6:{json.loads(result.stdout)['acme']['root']}"
+    assert runner.invoke(app, ["audit", "verify", "--root", published]).exit_code == 0
+    rewritten = runner.invoke(app, ["audit", "verify", "--root", f"acme:6:{'0' * 64}"])
+    assert rewritten.exit_code == 1 and "tenant acme: the first 6 leaves" in rewritten.stderr
+    assert runner.invoke(app, ["audit", "verify", "--root", "6:abc"]).exit_code != 0
     with session_scope(logged_receipts, write=True) as session:
         # Only an indexed column, the body untouched: still caught.
         session.execute(update(Receipt).where(Receipt.id == "r0").values(output_hash="forged"))
