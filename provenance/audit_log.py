@@ -19,7 +19,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from sqlalchemy import bindparam, insert, select, update
+from sqlalchemy import bindparam, insert, select, union_all, update
 from sqlalchemy.orm import Session
 
 from provenance import merkle
@@ -166,16 +166,25 @@ def append_leaves(session: Session, tenant_id: str, entries: Sequence[LeafEntry]
 # asked (expanding IN lists), where a statement built per call would cost more than the query.
 _LEAF, _NODE, _HEAD = AuditLeaf.__table__, AuditNode.__table__, AuditHead.__table__
 _READ_HEAD = select(_HEAD.c.size, _HEAD.c.frontier).where(_HEAD.c.tenant_id == bindparam("tenant"))
-_READ_LEAVES = select(_LEAF.c.seq, _LEAF.c.leaf_hash).where(
-    _LEAF.c.tenant_id == bindparam("tenant"), _LEAF.c.seq.in_(bindparam("seqs", expanding=True))
+# Leaves and stored subtrees in one round trip, both by node number (a leaf's is 2 * seq).
+_READ_SUBTREES = union_all(
+    select((_LEAF.c.seq * 2).label("node"), _LEAF.c.leaf_hash.label("hash")).where(
+        _LEAF.c.tenant_id == bindparam("tenant"),
+        _LEAF.c.seq.in_(bindparam("seqs", expanding=True)),
+    ),
+    select(_NODE.c.node, _NODE.c.hash).where(
+        _NODE.c.tenant_id == bindparam("tenant"),
+        _NODE.c.node.in_(bindparam("nodes", expanding=True)),
+    ),
 )
-_READ_NODES = select(_NODE.c.node, _NODE.c.hash).where(
-    _NODE.c.tenant_id == bindparam("tenant"), _NODE.c.node.in_(bindparam("nodes", expanding=True))
-)
-_FIND_LEAF = select(_LEAF.c.seq).where(
-    _LEAF.c.tenant_id == bindparam("tenant"),
-    _LEAF.c.ref == bindparam("ref"),
-    _LEAF.c.kind == bindparam("kind"),
+_FIND_LEAF = (
+    select(_LEAF.c.seq, _HEAD.c.size, _HEAD.c.frontier)
+    .join(_HEAD, _HEAD.c.tenant_id == _LEAF.c.tenant_id)
+    .where(
+        _LEAF.c.tenant_id == bindparam("tenant"),
+        _LEAF.c.ref == bindparam("ref"),
+        _LEAF.c.kind == bindparam("kind"),
+    )
 )
 
 
@@ -192,15 +201,15 @@ def _stored_subtrees(
     session: Session, tenant_id: str, keys: set[tuple[int, int]]
 ) -> dict[tuple[int, int], bytes]:
     """Hashes of complete subtrees ``(level, index)``: leaves from the log, the rest stored."""
-    found: dict[tuple[int, int], bytes] = {}
-    seqs = [index for level, index in keys if level == 0]
-    if seqs:
-        rows = session.execute(_READ_LEAVES, {"tenant": tenant_id, "seqs": seqs})
-        found.update(((0, seq), bytes.fromhex(digest)) for seq, digest in rows)
-    nodes = [merkle.node_number(level, index) for level, index in keys if level]
-    if nodes:
-        rows = session.execute(_READ_NODES, {"tenant": tenant_id, "nodes": nodes})
-        found.update((merkle.node_position(n), bytes.fromhex(digest)) for n, digest in rows)
+    rows = session.execute(
+        _READ_SUBTREES,
+        {
+            "tenant": tenant_id,
+            "seqs": [index for level, index in keys if level == 0],
+            "nodes": [merkle.node_number(level, index) for level, index in keys if level],
+        },
+    )
+    found = {merkle.node_position(node): bytes.fromhex(digest) for node, digest in rows}
     missing = keys - found.keys()
     if missing:
         raise RuntimeError(
@@ -244,10 +253,10 @@ def inclusion_proof(
     session: Session, tenant_id: str, ref: str, kind: str = "receipt"
 ) -> dict[str, Any] | None:
     """The leaf's audit path to the tenant's current root (None: not in the tenant's log)."""
-    seq = session.scalar(_FIND_LEAF, {"tenant": tenant_id, "ref": ref, "kind": kind})
-    if seq is None:
+    found = session.execute(_FIND_LEAF, {"tenant": tenant_id, "ref": ref, "kind": kind}).first()
+    if found is None:
         return None
-    size, frontier = _head(session, tenant_id)
+    seq, size, frontier = found.seq, found.size, [bytes.fromhex(h) for h in found.frontier]
     leaf, *path = _range_hashes(
         session, tenant_id, [(seq, seq + 1), *merkle.inclusion_ranges(seq, size)]
     )
