@@ -7,10 +7,11 @@ from contextlib import asynccontextmanager
 from fastapi import FastAPI, Request
 from prometheus_client import CollectorRegistry, Counter, Histogram
 
+from gateway.drain import Drain, DrainMiddleware
 from gateway.errors import install_error_handlers
 from gateway.routes import admin, chat, health, receipts
 from gateway.services import Services
-from provenance.migrate import ensure_schema
+from provenance.migrate import ready_schema
 from provenance.settings import Settings, get_settings
 
 
@@ -26,7 +27,7 @@ def create_app(
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         settings.data_dir.mkdir(parents=True, exist_ok=True)
-        ensure_schema(settings.sqlalchemy_url)
+        ready_schema(settings)
         if services_factory is None:
             from gateway.services import build_services
 
@@ -42,6 +43,8 @@ def create_app(
     app = FastAPI(title="Inherent", version="0.1.0", lifespan=lifespan)
     app.state.settings = settings
     app.state.registry = registry
+    app.state.drain = Drain(settings.shutdown_grace_s)
+    app.add_middleware(DrainMiddleware, drain=app.state.drain)
     install_error_handlers(app)
     install_http_metrics(app, registry)
     for module in (chat, receipts, admin, health):

@@ -37,10 +37,14 @@ def not_ready(what: str) -> None:
 
 
 def ready_settings() -> Settings:
-    """Settings with the data directory made and the schema at head."""
+    """Settings with the data directory made and the schema at head (migrated here only where
+    ``migrate.ready_schema`` allows it; otherwise a clear refusal)."""
     settings = get_settings()
     settings.data_dir.mkdir(parents=True, exist_ok=True)
-    migrate.ensure_schema(settings.sqlalchemy_url)
+    try:
+        migrate.ready_schema(settings)
+    except migrate.SchemaMismatch as exc:
+        fail(str(exc))
     return settings
 
 
@@ -177,14 +181,20 @@ def serve(
     import uvicorn
 
     from gateway.app import create_app
+    from gateway.drain import DrainingServer
 
     settings = ready_settings()
-    uvicorn.run(
-        create_app(settings),
+    app = create_app(settings)
+    config = uvicorn.Config(
+        app,
         host=host or settings.host,
         port=port or settings.port,
         log_level="info",
+        # The drain already waited up to shutdown_grace_s for requests in flight; this only
+        # bounds what uvicorn's own shutdown waits after it.
+        timeout_graceful_shutdown=5,
     )
+    DrainingServer(config, app.state.drain).run()
 
 
 ServerUrl = Annotated[

@@ -48,11 +48,17 @@ class Services:
     weights_hash: str
     engine_numerics: dict[str, Any]  # the engine settings that affect output bits
     registry: CollectorRegistry = field(default_factory=CollectorRegistry)
+    # Keeps this replica's embedded index caught up with the truth layer (several processes).
+    catch_up: Any = None  # provenance.projection.CatchUpLoop | None
 
     async def start(self) -> None:
-        """Nothing to await today: the engine thread starts with the AsyncEngine."""
+        """The engine thread starts with the AsyncEngine; the catch-up loop starts here."""
+        if self.catch_up is not None:
+            self.catch_up.start()
 
     async def stop(self) -> None:
+        if self.catch_up is not None:
+            self.catch_up.stop()
         self.engine.shutdown()
 
     def healthy(self) -> bool:
@@ -169,16 +175,35 @@ def build_services(settings: Settings, registry: CollectorRegistry) -> Services:
     config = engine_config(settings)
     llm = LLMEngine.from_config(config, registry)
     embedder = load_embedder(settings)
+    index = open_vector_index(settings, embedder.dim)
+    catch_up = None
+    if settings.redis_url and not settings.qdrant_url:
+        # Workers commit elsewhere and no server index is shared: this replica's embedded
+        # index is a projection of the truth layer, caught up now (before /readyz says ready)
+        # and then before every search and in the background.
+        from provenance.db import get_sessionmaker
+        from provenance.projection import CatchUpLoop, CaughtUpSearch, IndexProjection
+
+        projection = IndexProjection(
+            get_sessionmaker(settings.sqlalchemy_url),
+            index,
+            embedder.model_id,
+            settings.embedded_index_dir / f"{settings.collection}.applied.json",
+        )
+        projection.catch_up_all()
+        catch_up = CatchUpLoop(projection, settings.index_sync_interval_s)
+        index = CaughtUpSearch(projection)
     return Services(
         settings=settings,
         engine=AsyncEngine(llm),
         tokenizer=llm.tokenizer,
         embedder=embedder,
-        index=open_vector_index(settings, embedder.dim),
+        index=index,
         model_id=llm.model_id,
         weights_hash=llm.weights_hash,
         engine_numerics=numerics(config),
         registry=registry,
+        catch_up=catch_up,
     )
 
 

@@ -7,8 +7,10 @@ are acknowledged only after the task returns and are given back when a worker di
 is safe because the job is idempotent. Database and broker hiccups are retried with exponential
 backoff. Each deployment (``Settings.collection``) has its own queue.
 
-A worker and an API process must not share the embedded vector index directory: with workers,
-set ``INHERENT_QDRANT_URL`` to a Qdrant server.
+A worker refuses to start on a database whose schema is not its release's (unless told to
+migrate: ``INHERENT_MIGRATE_ON_START``). Each worker and API process has its own data directory:
+a worker writes its own embedded index, and the API replicas catch theirs up from the truth
+layer (``provenance.projection``), or all of them share a Qdrant server (``INHERENT_QDRANT_URL``).
 """
 
 from __future__ import annotations
@@ -18,10 +20,11 @@ import random
 from functools import lru_cache
 
 from celery import Celery
-from celery.signals import worker_shutdown
+from celery.signals import worker_init, worker_shutdown
 from sqlalchemy.exc import DBAPIError, OperationalError
 
 from ingest import jobs
+from provenance.migrate import SchemaMismatch, ready_schema
 from provenance.settings import Settings, get_settings
 from provenance.vector_index import close_vector_indexes
 
@@ -86,6 +89,16 @@ def celery_for(settings: Settings) -> Celery:
 
 # What `celery -A ingest.celery_app worker` runs: the app for this process's environment.
 app = make_celery(get_settings())
+
+
+@worker_init.connect
+def _check_schema(**_: object) -> None:
+    # A worker on a schema behind its code would fail every job: refuse to start instead.
+    # SystemExit, not an exception: Celery logs and ignores exceptions raised by signal handlers.
+    try:
+        ready_schema(get_settings())
+    except SchemaMismatch as exc:
+        raise SystemExit(f"inherent worker: {exc}") from exc
 
 
 @worker_shutdown.connect

@@ -33,7 +33,7 @@ from ingest.loaders import Limits, load_paths
 from ingest.pipeline import Cleanup, IndexProgress, chunker_for, index_sources
 from provenance import truth
 from provenance.db import get_sessionmaker, session_scope
-from provenance.migrate import ensure_schema
+from provenance.migrate import migrates_on_start, prepare_schema
 from provenance.models import IngestionJob
 from provenance.settings import Settings
 from provenance.truth import SessionFactory, SourceInfo, VersionInfo
@@ -115,8 +115,8 @@ class Runtime:
 
 
 @lru_cache(maxsize=8)
-def _schema_ready(url: str) -> bool:
-    ensure_schema(url)
+def _schema_ready(url: str, migrate: bool) -> bool:
+    prepare_schema(url, migrate)
     return True
 
 
@@ -336,10 +336,11 @@ def _update_job(settings: Settings, job_id: str, **values: Any) -> JobStatus:
 
 
 def _url(settings: Settings) -> str:
-    """The database URL, its schema brought to head (and the embedded data dir created)."""
+    """The database URL, its schema checked (or brought to head where this process may
+    migrate: ``provenance.migrate.ready_schema``), the embedded data dir created."""
     if not settings.database_url:
         settings.data_dir.mkdir(parents=True, exist_ok=True)
-    _schema_ready(settings.sqlalchemy_url)
+    _schema_ready(settings.sqlalchemy_url, migrates_on_start(settings))
     return settings.sqlalchemy_url
 
 

@@ -93,6 +93,13 @@ class Settings(BaseSettings):
 
     host: str = "127.0.0.1"
     port: int = 8000
+    # Migrate the schema when an API or worker process starts (under a database lock); unset
+    # means only the embedded SQLite file. Production migrates once (`inherent db upgrade`).
+    migrate_on_start: bool | None = None
+    # Seconds a SIGTERM'd API process lets requests in flight (streams) finish before it exits.
+    shutdown_grace_s: float = Field(30.0, ge=0)
+    # Seconds between catch-ups of a process's embedded vector index with the truth layer.
+    index_sync_interval_s: float = Field(1.0, gt=0)
 
     @field_validator("disagg_prefill_cpus", "disagg_decode_cpus")
     @classmethod

@@ -1,5 +1,6 @@
 """The Alembic chain runs up and down on SQLite and on PostgreSQL and matches the models."""
 
+import multiprocessing
 from datetime import UTC, datetime, timedelta
 
 import pytest
@@ -11,6 +12,7 @@ from sqlalchemy import inspect
 from provenance import audit_log, merkle, migrate, truth
 from provenance.db import get_engine, session_scope
 from provenance.models import Base, EpochCounter, Receipt
+from provenance.settings import Settings, get_settings
 
 TABLES = {
     "tenants", "api_keys", "sources", "source_versions", "chunks", "epochs",
@@ -133,3 +135,72 @@ def test_data_migrates_to_per_tenant_logs_on_sqlite(sqlite_url):
 @pytest.mark.integration
 def test_data_migrates_to_per_tenant_logs_on_postgresql(pg_url):
     check_data_migration(pg_url)
+
+
+def test_a_process_that_may_not_migrate_refuses_a_schema_behind_with_what_to_do(pg_url):
+    settings = Settings(database_url=pg_url)  # production: migrate_on_start unset
+    assert not migrate.migrates_on_start(settings)
+    with pytest.raises(migrate.SchemaMismatch, match=r"base \(empty\).*inherent db upgrade"):
+        migrate.ready_schema(settings)
+    assert migrate.current_revision(pg_url) is None  # nothing was migrated
+    migrate.ready_schema(settings.model_copy(update={"migrate_on_start": True}))
+    assert migrate.current_revision(pg_url) == migrate.head_revision(pg_url)
+    migrate.ready_schema(settings)  # at head: starts
+
+
+def test_the_embedded_database_migrates_on_start_unless_told_not_to(tmp_path):
+    settings = Settings(data_dir=tmp_path)
+    migrate.ready_schema(settings)
+    assert migrate.current_revision(settings.sqlalchemy_url) == migrate.head_revision(settings.sqlalchemy_url)
+    other = Settings(data_dir=tmp_path / "other", migrate_on_start=False)
+    other.data_dir.mkdir()
+    with pytest.raises(migrate.SchemaMismatch):
+        migrate.ready_schema(other)
+
+
+def test_a_schema_from_a_newer_release_is_refused(sqlite_url):
+    migrate.upgrade(sqlite_url)
+    with get_engine(sqlite_url).begin() as connection:
+        connection.exec_driver_sql("UPDATE alembic_version SET version_num = '0099_future'")
+    with pytest.raises(migrate.SchemaMismatch, match=r"0099_future.*newer release"):
+        migrate.check_schema(sqlite_url)
+
+
+def migrate_in_a_process(url: str, start, results) -> None:
+    start.wait()  # every process checks the empty schema at the same moment
+    try:
+        migrate.ensure_schema(url)
+        results.put(migrate.current_revision(url))
+    except Exception as exc:
+        results.put(f"{type(exc).__name__}: {exc}")
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("backend", ["sqlite", "postgresql"])
+def test_replicas_starting_together_migrate_once_under_the_lock(backend, request):
+    """Four processes told to migrate the same empty database at once: without the lock
+    several of them would create the same tables and fail."""
+    url = request.getfixturevalue("pg_url" if backend == "postgresql" else "sqlite_url")
+    context = multiprocessing.get_context("spawn")
+    start, results = context.Barrier(4), context.Queue()
+    processes = [
+        context.Process(target=migrate_in_a_process, args=(url, start, results)) for _ in range(4)
+    ]
+    for process in processes:
+        process.start()
+    revisions = [results.get(timeout=120) for _ in processes]
+    for process in processes:
+        process.join(timeout=60)
+    assert revisions == [migrate.head_revision(url)] * 4
+
+
+def test_the_worker_refuses_to_start_on_a_schema_behind(pg_url, monkeypatch):
+    from ingest import celery_app
+
+    monkeypatch.setenv("INHERENT_DATABASE_URL", pg_url)
+    get_settings.cache_clear()
+    try:
+        with pytest.raises(SystemExit, match=r"inherent worker: .*inherent db upgrade"):
+            celery_app._check_schema()
+    finally:
+        get_settings.cache_clear()

@@ -19,6 +19,8 @@ def healthz() -> dict:
 def readyz(request: Request) -> JSONResponse:
     services = getattr(request.app.state, "services", None)
     checks = {"engine": services is not None and services.healthy()}
+    # A draining replica (SIGTERM, gateway/drain.py) leaves the load balancer's rotation.
+    checks["accepting"] = not request.app.state.drain.draining
     try:
         with get_engine(request.app.state.settings.sqlalchemy_url).connect() as connection:
             connection.execute(text("SELECT 1"))

@@ -1,0 +1,103 @@
+"""Graceful shutdown: on SIGTERM the API drains before uvicorn stops it.
+
+Kubernetes (and compose) send SIGTERM and keep routing to the pod for a moment; uvicorn's own
+handling would close the listening socket at once. Instead, the first SIGTERM starts a drain:
+``/readyz`` answers 503 so the load balancer takes the replica out, every new request is
+refused with 503 (``Retry-After``) so clients retry on another replica, and the requests in
+flight (streams included: an ASGI call ends when its last body chunk is sent) run to their end.
+When none is left, or ``Settings.shutdown_grace_s`` has passed, uvicorn's normal shutdown takes
+over: it closes the sockets, gives stragglers a last few seconds, and runs the lifespan's
+shutdown. A second SIGTERM or a SIGINT skips the drain.
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+import time
+from types import FrameType
+
+import uvicorn
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+from gateway.errors import APIError
+
+log = logging.getLogger(__name__)
+
+# Probes and scrapes are answered while draining: liveness must not fail (the kubelet would
+# kill the pod mid-stream), readiness says 503 itself, metrics show the drain.
+UNGATED_PATHS = frozenset({"/healthz", "/readyz", "/metrics"})
+
+
+class Drain:
+    """Requests in flight and whether the process is draining."""
+
+    def __init__(self, grace_s: float) -> None:
+        self.grace_s = grace_s
+        self.in_flight = 0
+        self.started_at: float | None = None
+
+    @property
+    def draining(self) -> bool:
+        return self.started_at is not None
+
+    def start(self) -> None:
+        if self.started_at is None:
+            self.started_at = time.monotonic()
+            log.info(
+                "draining: %d request(s) in flight, up to %.0f s to finish",
+                self.in_flight, self.grace_s,
+            )
+
+    def done(self) -> bool:
+        """Draining, and nothing is left in flight or the grace period is over."""
+        if self.started_at is None:
+            return False
+        return self.in_flight == 0 or time.monotonic() - self.started_at >= self.grace_s
+
+
+class DrainMiddleware:
+    """Counts requests in flight; refuses new ones with 503 while draining."""
+
+    def __init__(self, app: ASGIApp, drain: Drain) -> None:
+        self.app = app
+        self.drain = drain
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or scope["path"] in UNGATED_PATHS:
+            await self.app(scope, receive, send)
+            return
+        if self.drain.draining:
+            response = APIError(
+                503,
+                "this replica is shutting down; retry the request",
+                type="server_error",
+                code="shutting_down",
+                headers={"Retry-After": "1", "Connection": "close"},
+            ).response()
+            await response(scope, receive, send)
+            return
+        self.drain.in_flight += 1
+        try:
+            await self.app(scope, receive, send)
+        finally:
+            self.drain.in_flight -= 1
+
+
+class DrainingServer(uvicorn.Server):
+    """uvicorn's server with a drain between the first SIGTERM and its own shutdown."""
+
+    def __init__(self, config: uvicorn.Config, drain: Drain) -> None:
+        super().__init__(config)
+        self.drain = drain
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        if sig == signal.SIGTERM and not self.drain.draining:
+            self.drain.start()
+            return
+        super().handle_exit(sig, frame)
+
+    async def on_tick(self, counter: int) -> bool:
+        if self.drain.done():
+            self.should_exit = True
+        return await super().on_tick(counter)
