@@ -22,7 +22,8 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from gateway.errors import APIError
 
-log = logging.getLogger(__name__)
+# uvicorn's logger: configured by `inherent serve`, so the drain shows in the server's log.
+log = logging.getLogger("uvicorn.error")
 
 # Probes and scrapes are answered while draining: liveness must not fail (the kubelet would
 # kill the pod mid-stream), readiness says 503 itself, metrics show the drain.
