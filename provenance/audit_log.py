@@ -145,9 +145,10 @@ def append_leaves(session: Session, tenant_id: str, entries: Sequence[LeafEntry]
         {"tenant_id": tenant_id, "node": merkle.node_number(level, index), "hash": digest.hex()}
         for level, index, digest in completed
     ]
-    session.execute(insert(AuditLeaf), leaves)
+    # Core inserts: the ORM's per-row bookkeeping would cost more than the hashing.
+    session.execute(insert(AuditLeaf.__table__), leaves)
     if nodes:
-        session.execute(insert(AuditNode), nodes)
+        session.execute(insert(AuditNode.__table__), nodes)
     session.execute(
         update(AuditHead)
         .where(AuditHead.tenant_id == tenant_id)
