@@ -28,6 +28,7 @@ import httpx
 import pytest
 
 from gateway.auth import create_key
+from provenance import merkle
 from provenance.db import session_scope
 from tests.conftest import REDIS_URL
 
@@ -211,11 +212,23 @@ def test_two_replicas_and_a_worker_share_nothing_but_the_databases(deployment, p
     current_sources = {c["source_id"] for c in answers["b", None]["citations"]}
     assert "legacy-two-factor.md" in pinned_sources - current_sources
 
-    # Receipts from both replicas are in the one audit log, readable from either.
+    # Receipts from both replicas are leaves of the one audit log, readable from either, and
+    # each proves its inclusion under the same root.
+    proofs = []
     for replica, url in (("a", url_b), ("b", url_a)):
         receipt_id = answers[replica, None]["receipt_id"]
         read = httpx.get(f"{url}/v1/receipts/{receipt_id}", headers=bearer(key))
         assert read.status_code == 200, read.text
+        proofs.append(read.json()["inclusion_proof"])
+    assert proofs[0]["tree_size"] == proofs[1]["tree_size"] and proofs[0]["root"] == proofs[1]["root"]
+    for proof in proofs:
+        assert merkle.verify_inclusion(
+            proof["leaf_index"],
+            proof["tree_size"],
+            bytes.fromhex(proof["leaf_hash"]),
+            [bytes.fromhex(h) for h in proof["audit_path"]],
+            bytes.fromhex(proof["root"]),
+        )
 
     # SIGTERM to A in the middle of a stream: the stream finishes, A stops admitting, A exits.
     body = {
