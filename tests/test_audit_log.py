@@ -361,3 +361,13 @@ def test_tenants_have_separate_trees(sqlite_url):
         with pytest.raises(ValueError, match="fewer than 3"):
             audit_log.consistency_proof(session, "beta", 1, 3)
         assert audit_log.verify(session).trees.keys() == {"acme", "beta"}
+
+
+def test_proofs_past_the_end_of_a_log_are_refused(grown_log):
+    url, _ = grown_log
+    with session_scope(url) as session:
+        for old, new in [(1, 701), (700, 701), (5, 1024)]:
+            with pytest.raises(ValueError, match=f"holds 700 leaves, fewer than {new}"):
+                audit_log.consistency_proof(session, "acme", old, new)
+        with pytest.raises(ValueError, match="holds 700 leaves, fewer than 800"):
+            audit_log.root(session, "acme", 800)
