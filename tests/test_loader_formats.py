@@ -531,3 +531,14 @@ def test_a_library_crash_fails_only_that_file(tmp_path, monkeypatch):
         ("a.csv", "cannot read .csv file: RecursionError: maximum recursion depth exceeded")
     ]
     assert office.load_csv  # the real loader is untouched
+
+
+@pytest.mark.parametrize(("name", "mode"), [("kb.tar", "w"), ("kb.tbz2", "w:bz2"), ("kb.tar.xz", "w:xz")])
+def test_every_tar_flavour_is_read_through(tmp_path, name, mode):
+    with tarfile.open(tmp_path / name, mode) as archive:
+        data = b"Shear once a year."
+        info = tarfile.TarInfo("guide.txt")
+        info.size = len(data)
+        archive.addfile(info, io.BytesIO(data))
+    document = only_document(load_path(tmp_path / name))
+    assert (document.source_id, document.text) == (f"{name}/guide.txt", "Shear once a year.")

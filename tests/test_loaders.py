@@ -135,8 +135,11 @@ def test_pdf_text_and_title(tmp_path):
     )
     document = only_document(load_path(tmp_path / "guide.pdf"))
     assert (document.kind, document.title) == ("pdf", "Shearing guide")
-    pages = normalize_text(document.text).split("\n\n")
+    text = normalize_text(document.text)
+    pages = text.split("\n\n")
     assert pages == ["Llamas are social animals.\nKeep at least two.", "Page two text."]
+    # Where each page starts in the normalized text: a cited chunk's char_start finds its page.
+    assert document.metadata["page_starts"] == [0, text.index("Page two")]
 
 
 def test_corrupt_and_encrypted_pdfs_are_failures(tmp_path):

@@ -149,7 +149,9 @@ class _Charged(io.RawIOBase):
         return True
 
     def read(self, size: int = -1) -> bytes:
-        data = self._stream.read(size if size >= 0 else _READ)
+        if size < 0:
+            return self.readall()
+        data = self._stream.read(size)
         _spend(self._blob, len(data))
         return data
 

@@ -19,9 +19,9 @@ def load_ipynb(data: bytes) -> Extracted:
     if not isinstance(notebook, dict) or not isinstance(notebook.get("cells"), list):
         raise Rejected("corrupt notebook: no list of cells (nbformat 4 expected)")
     metadata = notebook.get("metadata") if isinstance(notebook.get("metadata"), dict) else {}
-    language = (metadata.get("language_info") or metadata.get("kernelspec") or {}).get(
-        "name" if "language_info" in metadata else "language", ""
-    )
+    language = (metadata.get("language_info") or {}).get("name") or (
+        metadata.get("kernelspec") or {}
+    ).get("language", "")
     blocks: list[str] = []
     for cell in notebook["cells"]:
         if not isinstance(cell, dict):

@@ -69,7 +69,7 @@ LOADERS: dict[str, Loader] = {
         for suffix in archive.OPENERS
     },
 }
-# Kinds by suffix, for callers that only ask whether a file type is supported.
+# The suffixes a loader handles, for callers that only ask whether a file type is supported.
 KINDS = frozenset(LOADERS)
 
 # Project documents named by convention rather than by extension ("README.Debian",

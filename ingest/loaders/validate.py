@@ -32,21 +32,26 @@ def clean_title(title: str) -> str:
 
 def check(document: Document) -> Document | LoadFailure:
     """The document with a clean title, or the reason it cannot be stored."""
-    fail = lambda reason: LoadFailure(document.source_id, document.uri, reason)  # noqa: E731
-    if problem := storable_problem(document.source_id):
-        return fail(f"source id {problem}")
-    if problem := storable_problem(document.text.replace("\x00", "")):
-        return fail(f"text {problem}")  # NUL in text is dropped by normalization
-    if problem := _metadata_problem(document.metadata):
-        return fail(f"metadata {problem}")
-    if not has_content(document.text):
-        return fail("empty document")
+    if problem := _problem(document):
+        return LoadFailure(document.source_id, document.uri, problem)
     title = clean_title(document.title)
     if title == document.title:
         return document
     return Document(
         document.source_id, document.text, document.uri, document.kind, title, document.metadata
     )
+
+
+def _problem(document: Document) -> str:
+    if problem := storable_problem(document.source_id):
+        return f"source id {problem}"
+    if problem := storable_problem(document.text.replace("\x00", "")):
+        return f"text {problem}"  # NUL in text is dropped by normalization
+    if problem := _metadata_problem(document.metadata):
+        return f"metadata {problem}"
+    if not has_content(document.text):
+        return "empty document"
+    return ""
 
 
 def _metadata_problem(value: Any) -> str:
