@@ -72,6 +72,10 @@ def test_restructuredtext_keeps_headings_as_structure_and_reads_no_other_file(tm
         "Mind the heat.",
     ]
     assert "root" not in document.text
+    (tmp_path / "CONTRIBUTING.rst").write_text(".. include:: ../../CONTRIBUTING.rst\n")
+    assert only_failure(load_path(tmp_path / "CONTRIBUTING.rst")).reason == (
+        "empty document: it only includes other files, which are never read"
+    )
 
 
 def test_word_documents_keep_headings_and_tables(tmp_path):

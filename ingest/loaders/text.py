@@ -230,6 +230,8 @@ def load_rst(data: bytes) -> Extracted:
     title = tree.get("title", "")
     blocks = [f"# {title}"] if title else []
     _rst_blocks(tree, 2 if title else 1, blocks, nodes)
+    if not blocks and ".. include::" in text:
+        raise Rejected("empty document: it only includes other files, which are never read")
     return Extracted("\n\n".join(blocks), title, decision)
 
 
