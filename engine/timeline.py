@@ -91,6 +91,8 @@ class RequestTimeline:
             ],
             "decode_steps": len(itl),
             "interference_steps": len(hit),
+            # Which decode steps (indices into itl) shared their pass with prefill work.
+            "interfered_steps": [i for i, flag in enumerate(self.interfered) if flag],
             "interference_time": interference_time,
             "clean_itl_median": baseline,
             "kv_transfer_time": (

@@ -17,7 +17,7 @@ from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 from engine import SamplingParams
-from gateway.services import Services
+from gateway.services import PreparedPrompt, Services
 from provenance import memory
 from provenance.hashing import blake3_hex
 from provenance.models import Chunk, Receipt, SourceVersion
@@ -31,7 +31,7 @@ class ReplayRefused(Exception):
 @dataclass(slots=True)
 class ReplayPlan:
     receipt: Receipt
-    prompt: Any  # PreparedPrompt
+    prompt: PreparedPrompt
     params: SamplingParams
     context_verified: bool
     problems: list[str]
@@ -61,17 +61,7 @@ def plan_replay(services: Services, session: Session, receipt: Receipt) -> Repla
             f"the receipt was produced with weights {body['inherent.model.weights_hash']} but this server "
             f"runs weights {services.weights_hash}; replay needs the same model"
         )
-    problems: list[str] = []
-    chunks: list[memory.RetrievedChunk] = []
-    if body["inherent.retrieval.enabled"]:
-        chunks, problems = memory.pinned_chunks(
-            session, receipt.tenant_id, body["inherent.retrieval.chunks"]
-        )
-    prompt = services.prompt_from_chunks(body["inherent.request.messages"], None, chunks)
-    if not problems and blake3_hex(prompt.prompt_text) != body["inherent.prompt.hash"]:
-        problems.append(
-            "the rebuilt prompt does not hash to the receipt's prompt hash (template or tokenizer changed)"
-        )
+    prompt, problems = rebuild_prompt(services, session, receipt)
     sampling = body["inherent.request.sampling"]
     params = SamplingParams(
         max_tokens=sampling["max_tokens"],
@@ -84,6 +74,26 @@ def plan_replay(services: Services, session: Session, receipt: Receipt) -> Repla
     return ReplayPlan(
         receipt, prompt, params, not problems, problems, drift_report(services, session, receipt)
     )
+
+
+def rebuild_prompt(
+    services: Services, session: Session, receipt: Receipt
+) -> tuple[PreparedPrompt, list[str]]:
+    """The exact prompt the receipt's request saw, from its pinned chunk versions, and what could
+    not be verified (missing chunks, hash mismatches, a prompt that no longer hashes the same)."""
+    body = receipt.body
+    problems: list[str] = []
+    chunks: list[memory.RetrievedChunk] = []
+    if body["inherent.retrieval.enabled"]:
+        chunks, problems = memory.pinned_chunks(
+            session, receipt.tenant_id, body["inherent.retrieval.chunks"]
+        )
+    prompt = services.prompt_from_chunks(body["inherent.request.messages"], None, chunks)
+    if not problems and blake3_hex(prompt.prompt_text) != body["inherent.prompt.hash"]:
+        problems.append(
+            "the rebuilt prompt does not hash to the receipt's prompt hash (template or tokenizer changed)"
+        )
+    return prompt, problems
 
 
 def bitwise_claim(services: Services, receipt: Receipt) -> tuple[bool, str | None]:

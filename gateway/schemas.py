@@ -110,3 +110,7 @@ class ReceiptOut(BaseModel):
     created_at: str
     body: dict[str, Any]
     inclusion_proof: dict[str, Any] | None
+    body_canonical: str  # canonical JSON of body: the bytes the leaf's body_hash commits to
+    # The audit leaf's data recomputed from the row now (hashed as 0x00 || data); None: not logged.
+    leaf_data: str | None
+    diagnosis: dict[str, Any] | None  # which phase owned this request's latency

@@ -66,6 +66,22 @@ def leaf_data(kind: str, ref: str, payload: dict[str, Any], nonce: str | None) -
     return canonical_json(leaf)
 
 
+def receipt_leaf_data(session: Session, receipt: Receipt) -> bytes | None:
+    """The bytes a receipt's leaf hashes (after the 0x00 prefix), recomputed from the row as it is
+    now with the leaf's logged nonce: a client hashing them finds the logged leaf only if the row
+    was not edited since. None when the receipt is not in its tenant's log."""
+    nonce = session.execute(
+        select(AuditLeaf.nonce).where(
+            AuditLeaf.tenant_id == receipt.tenant_id,
+            AuditLeaf.kind == "receipt",
+            AuditLeaf.ref == receipt.id,
+        )
+    ).first()
+    if nonce is None:
+        return None
+    return leaf_data("receipt", receipt.id, receipt_leaf_payload(receipt), nonce[0])
+
+
 @dataclass(frozen=True, slots=True)
 class LeafEntry:
     kind: str

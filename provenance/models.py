@@ -169,7 +169,7 @@ class Receipt(Base):
     tenant_id: Mapped[str] = mapped_column(ForeignKey("tenants.id"), index=True)
     api_key_id: Mapped[str | None] = mapped_column(String(32))
     created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow, index=True)
-    # ok | failed
+    # ok | failed | cancelled
     status: Mapped[str] = mapped_column(String(16))
     snapshot_epoch: Mapped[int | None] = mapped_column(BigInteger)
     model_id: Mapped[str] = mapped_column(String(200))
@@ -178,6 +178,19 @@ class Receipt(Base):
     output_hash: Mapped[str] = mapped_column(String(64))
     # The full receipt document (OpenTelemetry GenAI attribute names where one exists).
     body: Mapped[dict[str, Any]] = mapped_column(JSON)
+
+
+class ReceiptCitation(Base):
+    """One source version a receipt cited: what "every answer that cited pricing.md v3" searches."""
+
+    __tablename__ = "receipt_citations"
+    __table_args__ = (
+        Index("ix_receipt_citations_source", "tenant_id", "source_id", "version"),
+    )
+    receipt_id: Mapped[str] = mapped_column(ForeignKey("receipts.id"), primary_key=True)
+    source_id: Mapped[str] = mapped_column(String(512), primary_key=True)
+    version: Mapped[int] = mapped_column(Integer, primary_key=True)
+    tenant_id: Mapped[str] = mapped_column(String(64))
 
 
 class AuditLeaf(Base):

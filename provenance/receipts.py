@@ -9,12 +9,14 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
 
-from sqlalchemy import select
+from sqlalchemy import and_, or_, select
 from sqlalchemy.orm import Session
 
 from provenance import audit_log
 from provenance.hashing import blake3_hex
-from provenance.models import Receipt, utcnow
+from provenance.models import Receipt, ReceiptCitation, utcnow
+
+STATUSES = ("ok", "failed", "cancelled")
 
 
 def new_receipt_id() -> str:
@@ -46,7 +48,10 @@ class ReceiptRecord:
 
     @property
     def status(self) -> str:
-        return "failed" if self.error else "ok"
+        if not self.error:
+            return "ok"
+        # A client that went away is not a failure of the system; reviewers filter them apart.
+        return "cancelled" if self.error.get("type") == "cancelled" else "failed"
 
     def body(self) -> dict[str, Any]:
         retrieval = self.retrieval or {}
@@ -107,6 +112,11 @@ def write_receipt(session: Session, record: ReceiptRecord) -> Receipt:
         body=body,
     )
     session.add(receipt)
+    cited = {(c["source_id"], c["version"]) for c in body["inherent.retrieval.chunks"]}
+    session.add_all(
+        ReceiptCitation(receipt_id=receipt.id, source_id=s, version=v, tenant_id=receipt.tenant_id)
+        for s, v in sorted(cited)
+    )
     session.flush()
     audit_log.append_receipt(session, receipt)
     return receipt
@@ -118,10 +128,55 @@ def get_receipt(session: Session, tenant_id: str, receipt_id: str) -> Receipt | 
     return receipt if receipt is not None and receipt.tenant_id == tenant_id else None
 
 
+@dataclass(frozen=True, slots=True)
+class ReceiptQuery:
+    """What a reviewer searches by; every field narrows the result (None: any)."""
+
+    receipt_id: str | None = None
+    since: datetime | None = None  # created at or after
+    until: datetime | None = None  # created before
+    status: str | None = None
+    source_id: str | None = None
+    version: int | None = None  # only with source_id: receipts that cited this version of it
+    newest_first: bool = False
+
+
 def list_receipts(
-    session: Session, tenant_id: str, since: datetime | None, limit: int
+    session: Session,
+    tenant_id: str,
+    query: ReceiptQuery,
+    limit: int,
+    after: tuple[datetime, str] | None = None,
 ) -> list[Receipt]:
-    query = select(Receipt).where(Receipt.tenant_id == tenant_id)
-    if since is not None:
-        query = query.where(Receipt.created_at >= since)
-    return list(session.scalars(query.order_by(Receipt.created_at, Receipt.id).limit(limit)))
+    """A page of a tenant's receipts in (created_at, id) order; ``after`` is the last row of the
+    previous page (keyset pagination: stable while new receipts arrive)."""
+    statement = select(Receipt).where(Receipt.tenant_id == tenant_id)
+    if query.receipt_id is not None:
+        statement = statement.where(Receipt.id == query.receipt_id)
+    if query.since is not None:
+        statement = statement.where(Receipt.created_at >= query.since)
+    if query.until is not None:
+        statement = statement.where(Receipt.created_at < query.until)
+    if query.status is not None:
+        statement = statement.where(Receipt.status == query.status)
+    if query.source_id is not None:
+        cited = select(ReceiptCitation.receipt_id).where(
+            ReceiptCitation.tenant_id == tenant_id, ReceiptCitation.source_id == query.source_id
+        )
+        if query.version is not None:
+            cited = cited.where(ReceiptCitation.version == query.version)
+        statement = statement.where(Receipt.id.in_(cited))
+    if after is not None:
+        at, last_id = after
+        beyond = (
+            or_(Receipt.created_at < at, and_(Receipt.created_at == at, Receipt.id < last_id))
+            if query.newest_first
+            else or_(Receipt.created_at > at, and_(Receipt.created_at == at, Receipt.id > last_id))
+        )
+        statement = statement.where(beyond)
+    order = (
+        (Receipt.created_at.desc(), Receipt.id.desc())
+        if query.newest_first
+        else (Receipt.created_at, Receipt.id)
+    )
+    return list(session.scalars(statement.order_by(*order).limit(limit)))

@@ -32,6 +32,7 @@ def test_summary_derives_the_phases():
     assert len(s["prefill_chunks"]) == 2 and s["prefill_chunks"][1]["tokens"] == 16
     assert s["decode_steps"] == 4
     assert s["interference_steps"] == 1
+    assert s["interfered_steps"] == [2]  # the 0.3 s gap: the review console marks that step
     assert s["interference_time"] == pytest.approx(0.2)  # 0.3 minus the 0.1 clean median
 
 
