@@ -9,7 +9,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram
 
 from gateway.drain import Drain, DrainMiddleware
 from gateway.errors import install_error_handlers
-from gateway.routes import admin, chat, health, receipts
+from gateway.routes import admin, chat, health, receipts, review
 from gateway.services import Services
 from provenance.migrate import ready_schema
 from provenance.settings import Settings, get_settings
@@ -49,6 +49,7 @@ def create_app(
     install_http_metrics(app, registry)
     for module in (chat, receipts, admin, health):
         app.include_router(module.router)
+    app.mount("/review", review.console_app(), name="review")
     return app
 
 
