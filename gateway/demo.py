@@ -55,6 +55,7 @@ async def _demo(settings: Settings, console: Console) -> int:
     ensure_schema(settings.sqlalchemy_url)
     with session_scope(settings.sqlalchemy_url, write=True) as session:
         key = create_key(session, "demo", ["chat", "admin", "audit"], "demo").secret
+        review_key = create_key(session, "demo", ["audit"], "review console").secret
 
     app = create_app(settings)
     with console.status("Loading the model and the embedder…"):
@@ -106,7 +107,23 @@ async def _demo(settings: Settings, console: Console) -> int:
         "audit verify: " + ("[green]intact[/]" if report.ok else f"[red]{report.problems}[/]")
     )
     console.print(f"demo finished in {time.perf_counter() - started:.1f} s")
+    print_review_hint(console, settings, review_key)
     return 0 if report.ok else 1
+
+
+def print_review_hint(console: Console, settings: Settings, review_key: str) -> None:
+    """How to see these answers in the review console: serve the demo's own data dir, with the
+    demo's batch-invariant numerics so that its replays can still read identical."""
+    console.rule("Review these answers in the browser")
+    console.print(
+        f"INHERENT_DATA_DIR={settings.data_dir} INHERENT_BATCH_INVARIANT=true inherent serve",
+        soft_wrap=True,
+    )
+    console.print(
+        f"then open http://{settings.host}:{settings.port}/review/ and sign in with the audit key "
+        f"{review_key}",
+        soft_wrap=True,
+    )
 
 
 async def call(client: httpx.AsyncClient, method: str, path: str, **kwargs) -> dict:

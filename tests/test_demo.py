@@ -3,7 +3,10 @@
 import pytest
 from typer.testing import CliRunner
 
+from gateway.auth import authenticate
 from gateway.cli import app
+from provenance.db import session_scope
+from provenance.settings import Settings
 
 pytestmark = pytest.mark.slow
 
@@ -22,3 +25,10 @@ def test_demo_runs_green(tmp_path, monkeypatch):
     assert "legacy-two-factor.md v1: deprecated" in out
     assert "+**Plus** costs 5 euros per month" in out
     assert "audit verify: intact" in out
+    # The closing hint serves the demo's own data with its numerics and names a working audit key.
+    serve, link = out.split("Review these answers in the browser")[1].strip().splitlines()[:2]
+    assert serve == f"INHERENT_DATA_DIR={tmp_path / 'demo'} INHERENT_BATCH_INVARIANT=true inherent serve"
+    assert link.startswith("then open http://127.0.0.1:8000/review/ and sign in with the audit key ")
+    with session_scope(Settings(data_dir=tmp_path / "demo", database_url="").sqlalchemy_url) as session:
+        principal = authenticate(session, link.split()[-1])
+    assert principal.scopes == {"audit"} and principal.tenant_id == "demo"
