@@ -112,11 +112,11 @@ def test_receipt_citations_are_backfilled_by_the_migration(sqlite_url):
 def bundle_of(url: str, receipt_id: str = "r1") -> bytes:
     with session_scope(url) as session:
         row = session.get(Receipt, receipt_id)
-        proof = audit_log.inclusion_proof(session, receipt_id)
+        proof = audit_log.inclusion_proof(session, row.tenant_id, receipt_id)
         return incident.build_bundle(
             receipt={"id": row.id, "status": row.status, "created_at": row.body["created_at"],
                      "body": row.body},
-            leaf_data=audit_log.receipt_leaf_data(row),
+            leaf_data=audit_log.receipt_leaf_data(session, row),
             proof=proof,
             root={"tree_size": proof["tree_size"], "root": proof["root"]},
             replay={"receipt_id": receipt_id, "verdict": "identical", "token_agreement": 1.0},
@@ -128,7 +128,7 @@ def test_bundle_verifies_and_every_changed_byte_is_caught(sqlite_url):
     raw = bundle_of(seed(sqlite_url))
     report = incident.verify_bundle(raw)
     assert report.ok, report.problems
-    assert (report.receipt_id, report.tree_size, report.verdict) == ("r1", 6, "identical")
+    assert (report.receipt_id, report.tree_size, report.verdict) == ("r1", 5, "identical")  # acme's tree
     # Canonical JSON has no insignificant byte: changing any one of them must fail the check.
     for at in range(len(raw) - 1):  # the final newline is not content
         flipped = bytearray(raw)
@@ -167,10 +167,10 @@ def test_cli_verify_bundle_exit_codes(sqlite_url, tmp_path):
     assert ok.exit_code == 0 and "bundle verified" in ok.stdout and "r1" in ok.stdout
     report = incident.verify_bundle(raw)
     pinned = runner.invoke(
-        app, ["audit", "verify-bundle", str(good), "--root", f"6:{report.root}"]
+        app, ["audit", "verify-bundle", str(good), "--root", f"{report.tree_size}:{report.root}"]
     )
     assert pinned.exit_code == 0
-    other_root = runner.invoke(app, ["audit", "verify-bundle", str(good), "--root", f"6:{'0' * 64}"])
+    other_root = runner.invoke(app, ["audit", "verify-bundle", str(good), "--root", f"5:{'0' * 64}"])
     assert other_root.exit_code == 1 and "is not the published" in other_root.stderr
     failed = runner.invoke(app, ["audit", "verify-bundle", str(bad)])
     assert failed.exit_code == 1 and "checksum mismatch" in failed.stderr
