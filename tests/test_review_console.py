@@ -10,11 +10,16 @@ from concurrent.futures import ThreadPoolExecutor
 from datetime import datetime, timedelta, timezone
 
 import pytest
-from review_support import browser, serve_live  # noqa: F401  (fixture)
+from review_support import browser, free_port, live_server, serve_live  # noqa: F401  (fixture)
 from sqlalchemy import update
+from starlette.applications import Starlette
+from starlette.routing import Mount
 from typer.testing import CliRunner
 
+from engine.timeline import RequestTimeline
 from gateway.cli import app as cli
+from gateway.routes.review import console_app
+from provenance import merkle
 from provenance.db import session_scope
 from provenance.models import Receipt
 
@@ -43,7 +48,7 @@ def answers(live):
 
 
 @pytest.fixture
-def page(browser, live, tmp_path, request):
+def page(browser, tmp_path, request):
     context = browser.new_context(viewport={"width": 1280, "height": 800})
     page = context.new_page()
     page.set_default_timeout(60_000)
@@ -186,6 +191,69 @@ def test_timeline_svg_has_one_mark_per_recorded_phase_and_chunk(page, live, answ
     stats = page.locator("#timeline .stats").inner_text()
     assert "TTFT" in stats and "TPOT" in stats
     assert "Latency owned by" in page.locator("#diagnosis").inner_text()
+
+
+@pytest.fixture(scope="module")
+def console_only():
+    """Only the console's files, no model: for tests of its modules in the browser."""
+    with live_server(Starlette(routes=[Mount("/review", app=console_app())]), free_port()) as url:
+        yield url
+
+
+def test_timeline_marks_the_kv_transfer_of_a_disaggregated_request(page, console_only):
+    """The engine's own summary of a disaggregated request, drawn by the page's module."""
+    url = console_only
+    t = RequestTimeline(arrival=0.0)
+    for step, (start, end) in enumerate([(0.01, 0.05), (0.05, 0.09), (0.09, 0.12)]):
+        t.record_prefill_chunk(step, 64, start, end)
+    t.record_kv_transfer(0.12, 0.15, 3 << 20)
+    for at, hit in [(0.16, True), (0.17, False), (0.19, True), (0.20, False)]:
+        t.record_token(at, hit)
+    t.finished = 0.2
+    summary = t.summary()
+    page.goto(f"{url}/review/")
+    kinds = page.evaluate(
+        """async (summary) => {
+            const { timelineSvg } = await import("./timeline.js");
+            const svg = timelineSvg(summary);
+            return [...svg.querySelectorAll("[data-mark]")].map((e) => e.dataset.mark);
+        }""",
+        summary,
+    )
+    assert sorted(kinds) == sorted(
+        ["queue", "prefill-chunk", "prefill-chunk", "prefill-chunk", "kv-transfer", "decode",
+         "interference"]
+    )  # the first token's flag means nothing: one interfered step, the gap before 0.19 s
+
+
+def test_browser_merkle_walk_matches_the_server(page, console_only):
+    """verify.js against provenance/merkle.py: every leaf of trees of 1 to 17 leaves."""
+    url = console_only
+    cases = []
+    for size in range(1, 18):
+        leaves = [merkle.leaf_hash(f"leaf {i} of {size}".encode()) for i in range(size)]
+        root = merkle.root(leaves).hex()
+        for index in range(size):
+            path = [h.hex() for h in merkle.inclusion_proof(index, leaves)]
+            cases.append({"data": f"leaf {index} of {size}", "index": index, "size": size,
+                          "path": path, "root": root})
+    page.goto(f"{url}/review/")
+    results = page.evaluate(
+        """async (cases) => {
+            const { hex, leafHash, rootFromPath } = await import("./verify.js");
+            const bytes = (s) => new TextEncoder().encode(s);
+            const unhex = (h) => Uint8Array.from(h.match(/../g) || [], (p) => parseInt(p, 16));
+            return cases.map((c) => {
+                const leaf = leafHash(bytes(c.data));
+                const root = rootFromPath(c.index, c.size, leaf, c.path.map(unhex));
+                const other = rootFromPath(c.index, c.size, leafHash(bytes(c.data + "!")), c.path.map(unhex));
+                return [root && hex(root) === c.root, !other || hex(other) !== c.root];
+            });
+        }""",
+        cases,
+    )
+    assert len(results) == sum(range(1, 18))
+    assert all(ok and tamper_caught for ok, tamper_caught in results)
 
 
 def test_replay_reads_identical(page, live, answers):
