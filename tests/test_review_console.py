@@ -105,6 +105,11 @@ def test_receipts_api_filters_pages_and_refuses_bad_input(live, answers):
     created = datetime.fromisoformat(receipt(api, plans)["created_at"])
     local = created.astimezone(timezone(timedelta(hours=2))).isoformat()
     assert plans in listed(since=local) and plans not in listed(until=local)
+    # The console's own routes answer only the owning tenant's audit keys.
+    for method, path in (("GET", f"/v1/receipts/{plans}/context"),
+                         ("POST", f"/v1/receipts/{plans}/incident")):
+        assert api.client.request(method, path, headers=api.auth("globex")).status_code == 404
+        assert api.client.request(method, path, headers=api.auth("acme", "chat")).status_code == 403
     for params, field in (({"version": 1}, "version"), ({"cursor": "nonsense"}, "cursor"),
                           ({"status": "lost"}, "status")):
         response = api.client.get("/v1/receipts", params=params, headers=api.auth())
