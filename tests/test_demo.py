@@ -26,7 +26,8 @@ def test_demo_runs_green(tmp_path, monkeypatch):
     assert "+**Plus** costs 5 euros per month" in out
     assert "audit verify: intact" in out
     # The closing hint serves the demo's own data with its numerics and names a working audit key.
-    serve, link = out.split("Review these answers in the browser")[1].strip().splitlines()[:2]
+    # The lines after the rule that carries the heading.
+    serve, link = out.split("Review these answers in the browser")[1].splitlines()[1:3]
     assert serve == f"INHERENT_DATA_DIR={tmp_path / 'demo'} INHERENT_BATCH_INVARIANT=true inherent serve"
     assert link.startswith("then open http://127.0.0.1:8000/review/ and sign in with the audit key ")
     with session_scope(Settings(data_dir=tmp_path / "demo", database_url="").sqlalchemy_url) as session:
