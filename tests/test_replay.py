@@ -4,12 +4,15 @@ The server runs in batch-invariant mode, so replay may claim bit-identical answe
 runs the default mode, where equal tokens carry no such claim.
 """
 
+import dataclasses
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 from api_support import serve_api
+from engine_fixtures import needs_kernels
 from sqlalchemy import update
 
+from gateway.replay import verdict
 from provenance.db import session_scope
 from provenance.models import Chunk
 
@@ -18,6 +21,7 @@ pytestmark = pytest.mark.slow
 
 @pytest.fixture(scope="module")
 def api(tmp_path_factory):
+    needs_kernels()
     yield from serve_api(tmp_path_factory, batch_invariant=True)
 
 QUESTIONS = [
@@ -97,8 +101,14 @@ def test_drift_report_names_changed_and_deprecated_sources(api, tmp_path, monkey
     assert drift["current_epoch"] > drift["snapshot_epoch"]
     status = {s["source_id"]: s for s in drift["sources"]}
     assert status["storage-plans.md"]["status"] == "changed"
-    diff = status["storage-plans.md"]["chunk_diffs"][0]["diff"]
-    assert "-" in diff and "costs 5 euros per month" in diff
+    plans = status["storage-plans.md"]
+    diff = plans["chunk_diffs"][0]["diff"].splitlines()
+    assert diff[:2] == [f"--- storage-plans.md@v{plans['cited_version']}",
+                        f"+++ storage-plans.md@v{plans['latest_version']}"]
+    removed = [line for line in diff[2:] if line.startswith("-")]
+    added = [line for line in diff[2:] if line.startswith("+")]
+    assert len(removed) == len(added) == 1  # the one line that changed, and only it
+    assert "costs 4 euros per month" in removed[0] and "costs 5 euros per month" in added[0]
     assert status[deprecated]["status"] == "deprecated"
 
 
@@ -142,3 +152,69 @@ def test_replay_refuses_different_weights_and_hides_foreign_receipts(api, monkey
         ).status_code
         == 403
     )
+
+
+def test_verdict_names_the_first_divergent_token_and_the_agreement():
+    assert verdict([5, 6, 7, 8], [5, 6, 9, 8], bitwise=True) == ("diverged", 2, 0.75)
+    assert verdict([5, 6, 7, 8], [5, 6], bitwise=False) == ("diverged", 2, 0.5)  # stopped early
+    assert verdict([5, 6], [5, 6, 7, 8], bitwise=False) == ("diverged", 2, 0.5)
+    assert verdict([5, 6], [5, 6], bitwise=True) == ("identical", None, 1.0)
+    assert verdict([5, 6], [5, 6], bitwise=False) == ("tokens_match", None, 1.0)
+
+
+def test_a_replay_that_differs_is_diverged_at_its_first_differing_token(api, monkeypatch):
+    """The engine gives another token at position 5 (as a near-tie flipped by other numerics
+    would): the verdict says diverged, where, and how much still agrees."""
+    reply = api.chat("Why does my file not sync?", max_tokens=12)
+    engine = api.client.app.state.services.engine
+    real = engine.generate
+
+    async def other_token_at_5(*args, **kwargs):
+        position = 0
+        async for out in real(*args, **kwargs):
+            ids = [t + 1 if position + i == 5 else t for i, t in enumerate(out.token_ids)]
+            position += len(ids)
+            yield dataclasses.replace(out, token_ids=ids)
+
+    monkeypatch.setattr(engine, "generate", other_token_at_5)
+    result = replay(api, reply["receipt_id"])
+    assert reply["usage"]["completion_tokens"] > 5
+    assert result["context_verified"] and result["verdict"] == "diverged"
+    assert result["first_divergent_token"] == 5
+    assert result["token_agreement"] == pytest.approx(
+        (reply["usage"]["completion_tokens"] - 1) / reply["usage"]["completion_tokens"])
+
+
+def test_drift_report_names_deleted_and_unchanged_sources(api, monkeypatch):
+    # Tenant globex gets its own copy of the corpus, so deleting a source leaves acme's alone.
+    monkeypatch.setattr(api.settings, "retrieval_min_score", -1.0)
+    api.ingest("globex", api.corpus)
+    reply = api.chat("How much does the Plus plan cost?", tenant="globex")
+    cited = sorted({c["source_id"] for c in reply["citations"]})
+    assert len(cited) >= 2
+    before = replay(api, reply["receipt_id"], "globex")
+    assert before["drift"]["retrieval_unchanged"] is True
+    assert {s["source_id"]: s["status"] for s in before["drift"]["sources"]} == dict.fromkeys(
+        cited, "unchanged")
+
+    deleted = next(c for c in cited if c != "storage-plans.md")
+    response = api.client.delete(f"/admin/sources/{deleted}", headers=api.auth("globex"))
+    assert response.status_code == 200, response.text
+    after = replay(api, reply["receipt_id"], "globex")
+    # The receipt's own chunks stay readable: the replay is still verified and identical.
+    assert after["context_verified"] and after["verdict"] == "identical"
+    drift = after["drift"]
+    assert {s["source_id"]: s["status"] for s in drift["sources"]} == {
+        c: "deleted" if c == deleted else "unchanged" for c in cited}
+    assert drift["retrieval_unchanged"] is False
+    assert deleted not in {c["source_id"] for c in drift["retrieved_now"]}
+
+
+def test_a_request_without_retrieval_replays_with_no_retrieval_drift(api):
+    reply = api.chat("How much does the Plus plan cost?", inherent={"retrieval": False})
+    assert reply["citations"] == []
+    result = replay(api, reply["receipt_id"])
+    assert result["context_verified"] and result["problems"] == []
+    assert result["verdict"] == "identical" and result["bitwise_claim"]
+    assert result["replayed_output_hash"] == result["original_output_hash"]
+    assert result["drift"] == {"retrieval_enabled": False}
