@@ -49,18 +49,20 @@ class Api:
         return response.json()
 
 
-def serve_api(tmp_path_factory, **settings):
-    """A live app on a fresh embedded data dir with the demo corpus ingested for tenant acme."""
+def serve_api(tmp_path_factory, ingest: bool = True, **settings):
+    """A live app on a fresh embedded data dir with the demo corpus ingested for tenant acme
+    (unless ``ingest`` is false)."""
     data_dir = tmp_path_factory.mktemp("inherent")
     settings = Settings(data_dir=data_dir, database_url="", qdrant_url="", redis_url="",
-                        max_waiting_requests=64, **settings)
+                        **{"max_waiting_requests": 64, **settings})
     ensure_schema(settings.sqlalchemy_url)
     corpus = data_dir / "corpus"
     shutil.copytree(Path(str(resources.files("gateway") / "demo_corpus")), corpus)
     app = create_app(settings)
     with TestClient(app) as client:
         api = Api(client, settings, corpus)
-        api.ingest("acme", corpus)
+        if ingest:
+            api.ingest("acme", corpus)
         yield api
     from provenance.vector_index import close_vector_indexes
 
