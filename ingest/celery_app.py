@@ -3,9 +3,11 @@
 The worker reads the same Settings (``INHERENT_*`` environment) as the API and runs
 ``ingest.jobs.run_ingestion_job``, the function the embedded default runs in process. Messages
 are acknowledged only after the task returns and are given back when a worker dies under one
-(``task_acks_late``, ``task_reject_on_worker_lost``), so a job is never lost; running it twice
-is safe because the job is idempotent. Database and broker hiccups are retried with exponential
-backoff. Each deployment (``Settings.collection``) has its own queue.
+(``task_acks_late``, ``task_reject_on_worker_lost``), so a job is never lost: a message whose
+worker was killed outright stays unacknowledged in Redis, and a live worker puts it back on the
+queue once ``Settings.celery_visibility_timeout`` has passed (it looks every few seconds).
+Running a job twice is safe because the job is idempotent. Database and broker hiccups are
+retried with exponential backoff. Each deployment (``Settings.collection``) has its own queue.
 
 A worker refuses to start on a database whose schema is not its release's (unless told to
 migrate: ``INHERENT_MIGRATE_ON_START``). Each worker and API process has its own data directory:
@@ -56,6 +58,13 @@ def make_celery(settings: Settings) -> Celery:
         task_serializer="json",
         accept_content=["json"],
         broker_connection_retry_on_startup=True,
+        broker_transport_options={
+            "visibility_timeout": settings.celery_visibility_timeout,
+            # Sweep for expired messages at every interval (kombu's default only scans every
+            # tenth, ~100 s), at most every 10 s and at least 4 times per timeout.
+            "unacked_restore_interval": max(0.5, min(10.0, settings.celery_visibility_timeout / 4)),
+            "unacked_restore_throttle": 1,
+        },
         worker_hijack_root_logger=False,
     )
 

@@ -40,6 +40,9 @@ class Settings(BaseSettings):
     collection: str = "inherent_chunks"
     # Celery broker; empty means ingestion jobs run in-process.
     redis_url: str = ""
+    # Seconds after which the broker hands a job whose worker died (unacknowledged) to another
+    # worker; longer than the longest job, or a slow job runs twice (safely, it is idempotent).
+    celery_visibility_timeout: float = Field(3600.0, gt=0)
 
     # Model: a GGUF file or a Hugging Face checkpoint directory; empty means the bundled SmolLM2.
     model_path: str = ""
