@@ -46,6 +46,17 @@ def chat(prompt: str) -> list[dict[str, str]]:
     return [{"role": "user", "content": prompt}]
 
 
+def needs_kernels() -> None:
+    """Skip (with the reason) where the C++ CPU kernels do not build: batch-invariant mode and
+    the bf16 kernel need them. Called inside tests and fixtures, never at collection, so a
+    machine without a compiler collects every module."""
+    from engine import cpu_kernels
+
+    if not cpu_kernels.available():
+        pytest.skip("the C++ CPU kernels do not build here (no compiler?): batch-invariant mode "
+                    "needs them")
+
+
 # --- the bundled model and its transformers reference -------------------------------------------
 
 

@@ -10,7 +10,12 @@ import random
 
 import pytest
 import torch
-from engine_fixtures import CHAT_PROMPTS, bundled_cache_dir, bundled_checkpoint  # noqa: F401
+from engine_fixtures import (  # noqa: F401 (fixtures)
+    CHAT_PROMPTS,
+    bundled_cache_dir,
+    bundled_checkpoint,
+    needs_kernels,
+)
 
 from engine import EngineConfig, LLMEngine, SamplingParams
 from engine.batch_invariant import PROBE_ROWS, make_linears_invariant
@@ -125,6 +130,7 @@ def compare_modes(checkpoint, batch_invariant: bool) -> tuple[int, int, int]:
 
 @pytest.mark.slow
 def test_logits_bit_identical_in_any_batch(bundled_checkpoint):
+    needs_kernels()
     compared, differing, hits = compare_modes(bundled_checkpoint, batch_invariant=True)
     print(f"batch_invariant on: {differing} of {compared} steps differ; {hits} prefix hits")
     assert compared == len(CHAT_PROMPTS) * len(COMPANIONS) * MAX_TOKENS

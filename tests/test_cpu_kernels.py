@@ -13,7 +13,8 @@ import torch
 from engine import cpu_kernels as kernel
 from engine.layer_ops import KernelLayerOps, TorchLayerOps
 
-pytestmark = pytest.mark.skipif(not kernel.available(), reason="no C++ compiler for the kernel")
+pytestmark = pytest.mark.skipif(not kernel.available(),
+                                reason="the C++ kernels do not build here (no compiler?)")
 
 PATHS = ["avx512", "avx2", "portable"]
 VECTOR_PATHS = PATHS[:2]
@@ -297,7 +298,7 @@ def test_layer_ops_refuse_bad_input():
         ops.silu_mul(torch.randn(2, 7))
 
 
-@pytest.mark.skipif(not kernel.bf16_linear_supported(), reason="no AVX512-BF16 on this CPU")
+@pytest.mark.skipif(not kernel.bf16_linear_supported(), reason="no kernel build with AVX512-BF16 here")
 @pytest.mark.parametrize(("rows", "out_features", "in_features"),
                          [(1, 40, 24), (7, 37, 11), (64, 300, 576)])
 def test_bf16_linear_is_a_bf16_matmul_with_float32_results(rows, out_features, in_features):
@@ -311,7 +312,7 @@ def test_bf16_linear_is_a_bf16_matmul_with_float32_results(rows, out_features, i
     torch.testing.assert_close(y.double(), expected, rtol=0, atol=1e-5 * in_features**0.5)
 
 
-@pytest.mark.skipif(not kernel.bf16_linear_supported(), reason="no AVX512-BF16 on this CPU")
+@pytest.mark.skipif(not kernel.bf16_linear_supported(), reason="no kernel build with AVX512-BF16 here")
 def test_bf16_linear_rows_do_not_depend_on_the_batch():
     g = torch.Generator().manual_seed(5)
     head = kernel.Bf16Linear(torch.randn(100, 64, generator=g))

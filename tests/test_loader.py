@@ -1,5 +1,6 @@
 """Loading weights, config and tokenizer from GGUF files and Hugging Face folders."""
 
+import dataclasses
 import json
 import re
 
@@ -248,10 +249,20 @@ def test_gguf_without_output_tensor_ties_embeddings(tmp_path):
     write_tiny_gguf(path, tied=True)
     checkpoint = load_gguf(path, cache_dir=tmp_path / "cache")
     assert checkpoint.config.tie_word_embeddings and "lm_head.weight" not in checkpoint.weights
-    model = LlamaModel(checkpoint.config, checkpoint.weights)
-    logits = PagedRunner(model).step([("a", [4, 5, 6])])[0]
-    hidden_is_embedding = torch.equal(model.embed, checkpoint.weights["model.embed_tokens.weight"])
-    assert logits.shape == (TINY["vocab"],) and hidden_is_embedding
+    ids = [("a", [4, 5, 6])]
+    logits = PagedRunner(LlamaModel(checkpoint.config, checkpoint.weights)).step(ids)[0]
+    assert logits.shape == (TINY["vocab"],)
+    # The LM head is the embedding matrix: the same logits as an untied model given a copy of
+    # it as its head, other logits with any other head.
+    embedding = checkpoint.weights["model.embed_tokens.weight"]
+    untied = dataclasses.replace(checkpoint.config, tie_word_embeddings=False)
+
+    def with_head(head):
+        model = LlamaModel(untied, {**checkpoint.weights, "lm_head.weight": head})
+        return PagedRunner(model).step(ids)[0]
+
+    assert torch.equal(with_head(embedding.clone()), logits)
+    assert not torch.allclose(with_head(embedding.roll(1, dims=0)), logits)
 
 
 @pytest.mark.parametrize("tied", [False, True])

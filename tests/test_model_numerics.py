@@ -20,7 +20,14 @@ from engine_fixtures import (  # noqa: F401 (fixtures)
 )
 
 from engine.loader import load_hf_dir
-from engine.model import LlamaModel, ModelConfig, allocate_kv_cache, rope_inv_freq
+from engine.model import (
+    LlamaModel,
+    ModelConfig,
+    allocate_kv_cache,
+    default_matmul_dtype,
+    native_bf16,
+    rope_inv_freq,
+)
 
 
 @pytest.fixture(scope="module")
@@ -230,6 +237,35 @@ def test_greedy_continuations_match_transformers(bundled_checkpoint, bundled_mod
     ]
     assert sum(same) >= 19, [CHAT_PROMPTS[i] for i, s in enumerate(same) if not s]
     assert tokenizer.decode(ours[0]).strip().startswith("The capital of France is Paris")
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not native_bf16(), reason="this CPU has no AVX512-BF16 or AMX: the engine "
+                    "runs float32 matmuls here, so it has no bf16 path to compare")
+def test_bf16_path_is_as_close_to_float32_as_transformers_in_bf16(
+        bundled_checkpoint, hf_model):
+    """What the engine runs on this CPU (bf16 matmuls and KV cache, float32 accumulation and
+    residual stream) against transformers run in bf16 on the same weights: its logits are no
+    farther from the float32 reference than transformers' own, and pick the same tokens."""
+    import copy
+
+    engine_bf16 = LlamaModel(bundled_checkpoint.config, bundled_checkpoint.weights,
+                             matmul_dtype=default_matmul_dtype(torch.float32))
+    assert engine_bf16.matmul_dtype == torch.bfloat16
+    hf_bf16 = copy.deepcopy(hf_model).to(torch.bfloat16)
+    tokenizer = bundled_checkpoint.tokenizer
+    for prompt in CHAT_PROMPTS[:2]:
+        ids = tokenizer.encode_chat(chat(prompt))
+        ours = PagedRunner(engine_bf16, kv_dtype=torch.bfloat16).step([("a", ids)])[0]
+        with torch.no_grad():
+            reference = hf_model(torch.tensor([ids])).logits[0, -1]
+            theirs = hf_bf16(torch.tensor([ids])).logits[0, -1].float()
+        ours_error = (ours - reference).abs().max()
+        theirs_error = (theirs - reference).abs().max()
+        print(f"{prompt!r}: max |logit - float32| engine bf16 {ours_error:.3f}, "
+              f"transformers bf16 {theirs_error:.3f}")
+        assert ours_error <= theirs_error, prompt
+        assert int(ours.argmax()) == int(theirs.argmax()) == int(reference.argmax()), prompt
 
 
 @pytest.mark.slow
