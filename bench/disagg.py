@@ -15,7 +15,10 @@ the prefill of a mean long prompt alone, TPOT 3x the decode step of the D stream
 runs the streaming decoders with no long prompt at all: decode isolation = decoders' TPOT p99
 under the long prompts / without them (1.0 = prefill load does not reach the decoders).
 
-The last line is one JSON object; ratios are disaggregated / colocated.
+Both engines stay up and the modes alternate over `--rounds` rounds (colocated first in odd
+rounds, disaggregated first in even ones), so load from other processes falls on both alike.
+The last line is one JSON object; ratios are disaggregated / colocated, the median over the
+rounds, with each round's ratios and their spread ((max - min) / median).
 
     flock /tmp/inherent-bench.lock .venv/bin/python -m bench.disagg
     flock /tmp/inherent-bench.lock .venv/bin/python -m bench.disagg --decoders 8 \\
@@ -33,7 +36,7 @@ import time
 
 import torch
 
-from bench.interference import build_engine, make_workload, report, run
+from bench.interference import alternate, build_engine, make_workload, report, run, spread
 from engine import SamplingParams
 from engine.diagnosis import percentile
 from engine.disaggregated import DisaggregatedEngine
@@ -49,8 +52,8 @@ def parse_args() -> argparse.Namespace:
                        help="TPOT objective in seconds (default: 3x the calibrated decode step "
                             "of the streaming requests)")
     extra.add_argument("--summaries", default=None,
-                       help="write every request's timeline summary, per mode and run, here "
-                            "(JSON)")
+                       help="write every request's timeline summary, per mode, round and run, "
+                            "here (JSON)")
     ours, rest = extra.parse_known_args()
     from bench import interference
 
@@ -88,11 +91,11 @@ def decoders_tpot_p99(result: dict) -> float:
     return percentile([s["tpot"] for s in result["summaries"] if s["kind"] == "decoder"], 99)
 
 
-def measure(name: str, engine, workload: list[tuple], args, summaries: dict) -> dict:
+def measure(name: str, engine, workload: list[tuple], args, summaries: list) -> dict:
     """The workload, then the streaming requests alone; the stats of both."""
     loaded = run(engine, workload)
     alone = run(engine, [w for w in workload if w[1] == "decoder"])
-    summaries[name] = {"loaded": loaded["summaries"], "alone": alone["summaries"]}
+    summaries.append({"loaded": loaded["summaries"], "alone": alone["summaries"]})
     stats = report(name, loaded)
     stats["goodput"] = goodput(loaded, args.ttft_slo, args.tpot_slo)
     stats["decoder_tpot_p99_alone"] = decoders_tpot_p99(alone)
@@ -138,12 +141,10 @@ def main() -> None:
           f"decode step {decode_step * 1e3:.0f} ms, mean long prefill {prefill_s:.1f} s")
     print(f"objectives: TTFT <= {args.ttft_slo:.2f} s and TPOT <= {args.tpot_slo * 1e3:.0f} ms")
 
-    summaries: dict[str, dict] = {}
-    co = measure(f"colocated ({args.threads} threads, chunked prefill)", colocated, workload,
-                 args, summaries)
-    del colocated
-    checkpoint.weights = {}  # the workers load their own
+    checkpoint.weights = {}  # the workers load their own (the colocated model holds its copy)
     disagg = DisaggregatedEngine(config, checkpoint)
+    rounds: list[dict] = []
+    summaries: dict[str, list] = {"colocated": [], "disaggregated": []}
     try:
         disagg.wait_until_ready()
         info = disagg.worker_info
@@ -153,33 +154,54 @@ def main() -> None:
         disagg.generate([[rng.randrange(100, vocab - 100) for _ in range(n)]
                          for n in (args.decoder_prompt, args.long_min)],
                         SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
-        di = measure(f"disaggregated (prefill on cores {info['prefill']['cpus']}, decode on "
-                     f"{info['decode']['cpus']}, one thread each)", disagg, workload, args,
-                     summaries)
+        engines = {
+            "colocated": (f"colocated ({args.threads} threads, chunked prefill)", colocated),
+            "disaggregated": (f"disaggregated (prefill on cores {info['prefill']['cpus']}, "
+                              f"decode on {info['decode']['cpus']}, one thread each)", disagg),
+        }
+        for r, order in enumerate(alternate(list(engines), args.rounds), start=1):
+            stats = {}
+            for mode in order:
+                label, engine = engines[mode]
+                stats[mode] = measure(f"round {r}/{args.rounds}: {label}", engine, workload,
+                                      args, summaries[mode])
+            rounds.append({"order": order, **stats})
     finally:
         disagg.close()
-
-    def ratio(key: str) -> float:
-        return round(di[key] / co[key], 3)
 
     if args.summaries:
         with open(args.summaries, "w") as f:
             json.dump(summaries, f)
     print(f"load average at end: {os.getloadavg()[0]:.2f}")
+
+    def ratios(key: str) -> list[float]:
+        return [r["disaggregated"][key] / r["colocated"][key] for r in rounds]
+
+    def median(mode: str, key: str, scale: float = 1.0, digits: int = 3) -> float:
+        return round(statistics.median(r[mode][key] for r in rounds) * scale, digits)
+
+    per_round = {"tpot_p99_ratio": ratios("tpot_p99"), "ttft_p99_ratio": ratios("ttft_p99")}
+    if all(r["colocated"]["goodput"] for r in rounds):
+        per_round["goodput_ratio"] = ratios("goodput")
     print(json.dumps({
-        "tpot_p99_ratio": ratio("tpot_p99"),
-        "ttft_p99_ratio": ratio("ttft_p99"),
-        "goodput_ratio": ratio("goodput") if co["goodput"] else None,
-        "kv_transfer_ms_p50": round(di["kv_transfer_p50"] * 1e3, 2),
-        "decode_isolation": round(di["decode_isolation"], 3),
-        "colocated_decode_isolation": round(co["decode_isolation"], 3),
-        "decoder_tpot_p99_ms": {"colocated": round(co["decoder_tpot_p99"] * 1e3, 1),
-                                "disaggregated": round(di["decoder_tpot_p99"] * 1e3, 1)},
-        "ttft_p99_s": {"colocated": round(co["ttft_p99"], 2),
-                       "disaggregated": round(di["ttft_p99"], 2)},
-        "goodput_rps": {"colocated": round(co["goodput"], 4),
-                        "disaggregated": round(di["goodput"], 4)},
+        **{key: round(statistics.median(values), 3) for key, values in per_round.items()},
+        "goodput_ratio": round(statistics.median(per_round["goodput_ratio"]), 3)
+        if "goodput_ratio" in per_round else None,
+        "kv_transfer_ms_p50": median("disaggregated", "kv_transfer_p50", 1e3, 2),
+        "decode_isolation": median("disaggregated", "decode_isolation"),
+        "colocated_decode_isolation": median("colocated", "decode_isolation"),
+        "decoder_tpot_p99_ms": {mode: median(mode, "decoder_tpot_p99", 1e3, 1)
+                                for mode in ("colocated", "disaggregated")},
+        "ttft_p99_s": {mode: median(mode, "ttft_p99", digits=2)
+                       for mode in ("colocated", "disaggregated")},
+        "goodput_rps": {mode: median(mode, "goodput", digits=4)
+                        for mode in ("colocated", "disaggregated")},
         "slo": {"ttft_s": round(args.ttft_slo, 3), "tpot_ms": round(args.tpot_slo * 1e3, 1)},
+        "rounds": [{"order": r["order"], **{key: round(values[i], 3)
+                                            for key, values in per_round.items()},
+                    "decode_isolation": round(r["disaggregated"]["decode_isolation"], 3)}
+                   for i, r in enumerate(rounds)],
+        "spread": {key: spread(values) for key, values in per_round.items()},
     }))
 
 

@@ -2,16 +2,19 @@
 
 Workload (fixed seed, printed): D streaming requests (short prompts, 256 output tokens) start
 together; L long prompts (1,500 to 3,000 tokens, a few output tokens each) arrive on a Poisson
-schedule while they stream. The same workload, on the same model, runs twice: chunked prefill
-on (vLLM V1 policy: decodes first, prefill chunks fill the token budget) and off (vLLM V0: a
-waiting prompt is prefilled whole in a step of its own, stalling every decode).
+schedule while they stream. The same workload, on the same model, runs in two modes: chunked
+prefill on (vLLM V1 policy: decodes first, prefill chunks fill the token budget) and off (vLLM
+V0: a waiting prompt is prefilled whole in a step of its own, stalling every decode). The modes
+alternate over `--rounds` rounds (chunked first in odd rounds, unchunked first in even ones), so
+load from other processes and warm-up fall on both alike.
 
 The Poisson rate is set from a calibration: the mean gap between long prompts is the decoders'
 expected lifetime divided by L + 1, so the arrivals land while they stream.
 
-Reported per mode: TTFT p50/p99 of the long prompts (the requests that arrive under load), TPOT
-p50/p99 over all requests, ITL p99 over all tokens, output throughput, and the phase diagnosis.
-The last line is one JSON object of chunked/unchunked ratios.
+Reported per mode and round: TTFT p50/p99 of the long prompts (the requests that arrive under
+load), TPOT p50/p99 over all requests, ITL p99 over all tokens, output throughput, and the phase
+diagnosis. The last line is one JSON object: the chunked/unchunked ratios (median over rounds),
+each round's ratios, and their spread ((max - min) / median).
 
     flock /tmp/inherent-bench.lock .venv/bin/python bench/interference.py
 """
@@ -45,6 +48,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--long-prefill-token-threshold", type=int, default=None)
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--rounds", type=int, default=3,
+                   help="rounds of both modes, alternating which runs first")
     p.add_argument("--model", default=None)
     p.add_argument("--out", default=None,
                    help="write every request's timeline summary here (JSON), for "
@@ -172,22 +177,45 @@ def main() -> None:
     workload = make_workload(args, vocab, mean_gap)
     print("long-prompt arrivals: " + ", ".join(
         f"{at:.1f} s ({len(p)} tok)" for at, kind, p, _ in workload if kind == "long"))
-    runs = {"chunked": run(chunked, workload),
-            "unchunked": run(build_engine(checkpoint, runner, False, args), workload)}
-    with_chunks = report("chunked prefill", runs["chunked"])
-    without = report("unchunked (whole prompts, prefill-only steps)", runs["unchunked"])
+    labels = {"chunked": "chunked prefill",
+              "unchunked": "unchunked (whole prompts, prefill-only steps)"}
+    rounds: list[dict[str, dict]] = []
+    summaries: dict[str, list] = {mode: [] for mode in labels}
+    for r, order in enumerate(alternate(list(labels), args.rounds), start=1):
+        stats = {}
+        for mode in order:
+            engine = chunked if r == 1 and mode == "chunked" else build_engine(
+                checkpoint, runner, mode == "chunked", args)
+            result = run(engine, workload)
+            stats[mode] = report(f"round {r}/{args.rounds}: {labels[mode]}", result)
+            summaries[mode].append(result["summaries"])
+        rounds.append({"order": order, **stats})
     if args.out:
         with open(args.out, "w") as f:
-            json.dump({mode: r["summaries"] for mode, r in runs.items()}, f)
+            json.dump(summaries, f)
+    ratios = {f"{key}_ratio": [r["chunked"][key] / r["unchunked"][key] for r in rounds]
+              for key in ("tpot_p99", "ttft_p50", "throughput", "itl_p99", "itl_max")}
     print(json.dumps({
-        "tpot_p99_chunked_ms": round(with_chunks["tpot_p99"] * 1e3, 1),
-        "tpot_p99_unchunked_ms": round(without["tpot_p99"] * 1e3, 1),
-        "tpot_p99_ratio": round(with_chunks["tpot_p99"] / without["tpot_p99"], 3),
-        "ttft_p50_ratio": round(with_chunks["ttft_p50"] / without["ttft_p50"], 3),
-        "throughput_ratio": round(with_chunks["throughput"] / without["throughput"], 3),
-        "itl_p99_ratio": round(with_chunks["itl_p99"] / without["itl_p99"], 3),
-        "itl_max_ratio": round(with_chunks["itl_max"] / without["itl_max"], 3),
+        "tpot_p99_chunked_ms": round(statistics.median(
+            r["chunked"]["tpot_p99"] for r in rounds) * 1e3, 1),
+        "tpot_p99_unchunked_ms": round(statistics.median(
+            r["unchunked"]["tpot_p99"] for r in rounds) * 1e3, 1),
+        **{key: round(statistics.median(values), 3) for key, values in ratios.items()},
+        "rounds": [{"order": r["order"], **{key: round(values[i], 3)
+                                            for key, values in ratios.items()}}
+                   for i, r in enumerate(rounds)],
+        "spread": {key: spread(values) for key, values in ratios.items()},
     }))
+
+
+def alternate(modes: list[str], rounds: int) -> list[list[str]]:
+    """Each round runs every mode; odd rounds in the given order, even rounds reversed."""
+    return [modes if r % 2 == 0 else modes[::-1] for r in range(rounds)]
+
+
+def spread(values: list[float]) -> float:
+    """(max - min) / median over the rounds: how far one round can move a figure."""
+    return round((max(values) - min(values)) / statistics.median(values), 3)
 
 
 if __name__ == "__main__":
