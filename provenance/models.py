@@ -31,6 +31,15 @@ def utcnow() -> datetime:
     return datetime.now(UTC)
 
 
+def as_utc(moment: datetime) -> datetime:
+    """The same instant in UTC (a naive time is taken as UTC). Compare times in UTC: SQLite
+    stores DateTime columns as UTC wall-clock text and compares text, so a bound with another
+    offset (``...+05:00``) would be off by that offset there, while PostgreSQL compares instants."""
+    if moment.tzinfo is None:
+        return moment.replace(tzinfo=UTC)
+    return moment.astimezone(UTC)
+
+
 class Base(DeclarativeBase):
     type_annotation_map: ClassVar = {dict[str, Any]: JSON, list[Any]: JSON}
 

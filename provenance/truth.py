@@ -9,25 +9,39 @@ Identical content (same BLAKE3) is a no-op that takes no epoch.
 Epochs count per tenant: each tenant has its own counter row, so one tenant's commits neither
 move another's epoch nor wait for another's writers.
 
-Write order (vectors first, SQL last): the writer locks its tenant's epoch counter row, which hands
-it the next epoch and holds the tenant's other writers (and its sweep) off until it commits; it writes the
-new versions' points with ``valid_from`` = that epoch, then commits SQL. Only after the commit
-does it mark the closed versions' points (``valid_to``). A crash before the commit leaves points
-no SQL row names (invisible: retrieval checks hits against SQL, and ``sweep`` deletes them); a
-crash after it leaves closed points still marked open (retrieval drops them on the SQL check,
-``sweep`` repairs the payload). Chunk ids are deterministic, so a re-run writes the same points.
+Write order (vectors first, SQL last), under the tenant's writers' lock (``writers_lock``: a
+PostgreSQL advisory lock, or a file lock beside the SQLite file), which admits one commit or
+sweep of the tenant at a time across threads and processes and is held until the SQL commit:
+1. a short read transaction plans the change and reads the tenant's epoch counter (next epoch =
+   counter + 1; only a lock holder moves the counter, so the plan stays true);
+2. with NO transaction open, the new versions' points are written with ``valid_from`` = that
+   epoch (on SQLite a transaction held here would hold the database write lock, and receipt
+   writes would wait behind the vector upsert);
+3. one short write transaction takes the epoch (counter + 1, checked against step 1), writes the
+   versions, chunks and audit leaves, and commits.
+Only after the commit does it mark the closed versions' points (``valid_to``). A crash before
+the commit leaves points no SQL row names (invisible: retrieval checks hits against SQL, and
+``sweep`` deletes them); a crash after it leaves closed points still marked open (retrieval
+drops them on the SQL check, ``sweep`` repairs the payload). Chunk ids are deterministic, so a
+re-run writes the same points. ``sweep`` takes the same lock, reads SQL in a short transaction
+and scans the index with none open, so it never mistakes an in-flight commit's points for
+orphans and never blocks receipt writes while it scans.
 """
 
 from __future__ import annotations
 
+import fcntl
+import threading
 import uuid
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from datetime import datetime
+from pathlib import Path
 from typing import Any
 
 import numpy as np
-from sqlalchemy import func, select, update
+from sqlalchemy import func, select, text, update
 from sqlalchemy.orm import Session
 
 from provenance.audit_log import append_version_event
@@ -42,6 +56,7 @@ from provenance.models import (
     Source,
     SourceVersion,
     Tenant,
+    as_utc,
 )
 from provenance.vector_index import IndexPoint, VectorIndex
 
@@ -219,23 +234,79 @@ CLOSE_STATUSES = ("deprecated", "deleted")
 # ---------------------------------------------------------------------------------------------
 
 
-def _lock_writers(session: Session, tenant_id: str, advance: int) -> int:
-    """Lock the tenant's epoch counter row until this transaction ends; return the counter after
-    adding ``advance``. The UPDATE is the transaction's first write, which on SQLite also takes
-    the database write lock (waiting on busy_timeout), and on PostgreSQL makes the tenant's
-    concurrent writers queue on the row and read the incremented value once the holder commits."""
-    lock = (
+# First key of the writers' advisory locks ("trut" in ASCII); the second is the tenant's hash.
+WRITERS_LOCK_CLASS = 0x74727574
+_local_writer_locks: dict[str, threading.Lock] = {}
+_local_writer_locks_guard = threading.Lock()
+
+
+@contextmanager
+def writers_lock(sessions: SessionFactory, tenant_id: str) -> Iterator[None]:
+    """Admit one truth-store writer (``commit``) or ``sweep`` of a tenant at a time, across
+    threads and processes, without holding a database transaction: on PostgreSQL a
+    session-level advisory lock on a connection of its own, on SQLite an exclusive ``flock`` on
+    a file of the tenant's beside the database (the embedded store lives on one host). Both are
+    released if the process dies."""
+    with sessions() as probe:
+        engine = probe.get_bind()
+    if engine.dialect.name == "postgresql":
+        key = {"cls": WRITERS_LOCK_CLASS, "tenant": tenant_id}
+        connection = engine.connect().execution_options(isolation_level="AUTOCOMMIT")
+        try:
+            connection.execute(text("SELECT pg_advisory_lock(:cls, hashtext(:tenant))"), key)
+            yield
+        finally:
+            try:
+                connection.execute(text("SELECT pg_advisory_unlock(:cls, hashtext(:tenant))"), key)
+            except Exception:
+                # A connection that might still hold the lock must not go back to the pool.
+                connection.invalidate()
+            connection.close()
+        return
+    database = engine.url.database
+    if not database or database == ":memory:":  # one process by construction
+        with _local_writer_lock(f"{engine.url}\x1f{tenant_id}"):
+            yield
+        return
+    folder = Path(f"{database}.writers")
+    folder.mkdir(exist_ok=True)
+    with (folder / blake3_hex(tenant_id)[:32]).open("a+b") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)  # one open file per holder: threads exclude too
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
+def _local_writer_lock(key: str) -> threading.Lock:
+    with _local_writer_locks_guard:
+        return _local_writer_locks.setdefault(key, threading.Lock())
+
+
+def _counter(session: Session, tenant_id: str) -> int:
+    """The tenant's last epoch handed out (0 before its first commit)."""
+    value = session.scalar(select(EpochCounter.value).where(EpochCounter.tenant_id == tenant_id))
+    return value or 0
+
+
+def _take_epoch(session: Session, tenant_id: str, planned: int) -> None:
+    """Advance the tenant's counter to ``planned`` in this transaction (its first write: on
+    SQLite it takes the database write lock here, for the length of one short transaction)."""
+    advance = (
         update(EpochCounter)
         .where(EpochCounter.tenant_id == tenant_id)
-        .values(value=EpochCounter.value + advance)
+        .values(value=EpochCounter.value + 1)
         .returning(EpochCounter.value)
         .execution_options(synchronize_session=False)
     )
-    counter = session.execute(lock).scalar_one_or_none()
-    if counter is None:  # the tenant's first write; a concurrent first writer may create it too
+    counter = session.execute(advance).scalar_one_or_none()
+    if counter is None:  # the tenant's first commit
         insert_missing(session, EpochCounter, [{"tenant_id": tenant_id, "value": 0}])
-        counter = session.execute(lock).scalar_one()
-    return counter
+        counter = session.execute(advance).scalar_one()
+    if counter != planned:
+        # Someone moved the counter without the writers' lock; the points written for
+        # ``planned`` are orphans the sweep removes.
+        raise RuntimeError(f"epoch counter moved outside the writers' lock ({counter} != {planned})")
 
 
 def ensure_tenant(session: Session, tenant_id: str) -> None:
@@ -294,100 +365,103 @@ def commit(
     if len(set(named)) != len(named):
         raise ValueError("a commit names each source at most once")
     result = CommitResult()
-    closing: list[SourceVersion] = []
+    closing: list[tuple[SourceVersion, str]] = []
     session = sessions()
     try:
-        epoch = _lock_writers(session, tenant_id, advance=1)
-        ensure_tenant(session, tenant_id)
-        latest = _latest_rows(
-            session, tenant_id, [d.source_id for d in upserts] + [s for s, _ in closes]
-        )
-        opening: list[tuple[SourceDraft, int]] = []
-        for draft in upserts:
-            previous = latest.get(draft.source_id)
-            is_open = previous is not None and previous.valid_to_epoch == OPEN_EPOCH
-            if is_open and previous.content_hash == draft.content_hash:
-                result.unchanged.append(draft.source_id)
-                continue
-            if is_open:
-                previous.status = "superseded"
-                closing.append(previous)
-                result.updated.append(draft.source_id)
-            else:
-                result.added.append(draft.source_id)
-            opening.append((draft, previous.version + 1 if previous is not None else 1))
-        for source_id, status in closes:
-            previous = latest.get(source_id)
-            if previous is None or previous.valid_to_epoch != OPEN_EPOCH:
-                continue
-            previous.status = status
-            closing.append(previous)
-            (result.deprecated if status == "deprecated" else result.deleted).append(source_id)
-        if not opening and not closing:
-            session.rollback()  # gives the epoch back
-            return result
+        with writers_lock(sessions, tenant_id):
+            # 1. Plan in a read transaction; nothing is written yet.
+            epoch = _counter(session, tenant_id) + 1
+            latest = _latest_rows(
+                session, tenant_id, [d.source_id for d in upserts] + [s for s, _ in closes]
+            )
+            opening: list[tuple[SourceDraft, int]] = []
+            for draft in upserts:
+                previous = latest.get(draft.source_id)
+                is_open = previous is not None and previous.valid_to_epoch == OPEN_EPOCH
+                if is_open and previous.content_hash == draft.content_hash:
+                    result.unchanged.append(draft.source_id)
+                    continue
+                if is_open:
+                    closing.append((previous, "superseded"))
+                    result.updated.append(draft.source_id)
+                else:
+                    result.added.append(draft.source_id)
+                opening.append((draft, previous.version + 1 if previous is not None else 1))
+            for source_id, status in closes:
+                previous = latest.get(source_id)
+                if previous is None or previous.valid_to_epoch != OPEN_EPOCH:
+                    continue
+                closing.append((previous, status))
+                (result.deprecated if status == "deprecated" else result.deleted).append(source_id)
+            session.commit()  # ends the read transaction (nothing to write; rows stay loaded)
+            if not opening and not closing:
+                return result
 
-        # Vectors first: invisible until the SQL below commits this epoch.
-        points = [
-            IndexPoint(
-                chunk_id=chunk_id(tenant_id, draft.source_id, version, c.ordinal),
-                tenant_id=tenant_id,
-                source_id=draft.source_id,
-                version=version,
-                chunk_hash=c.chunk_hash,
-                valid_from=epoch,
-                vector=vectors[c.chunk_hash],
-            )
-            for draft, version in opening
-            for c in draft.chunks
-        ]
-        index.upsert(points)
-        index.flush()
-        result.points_written = len(points)
+            # 2. Vectors first, with no transaction open: invisible until step 3 commits.
+            points = [
+                IndexPoint(
+                    chunk_id=chunk_id(tenant_id, draft.source_id, version, c.ordinal),
+                    tenant_id=tenant_id,
+                    source_id=draft.source_id,
+                    version=version,
+                    chunk_hash=c.chunk_hash,
+                    valid_from=epoch,
+                    vector=vectors[c.chunk_hash],
+                )
+                for draft, version in opening
+                for c in draft.chunks
+            ]
+            index.upsert(points)
+            index.flush()
+            result.points_written = len(points)
 
-        session.add(
-            Epoch(epoch=epoch, tenant_id=tenant_id, job_id=job_id, summary=result.summary())
-        )
-        for row in closing:
-            row.valid_to_epoch = epoch
-        _upsert_sources(session, tenant_id, [d for d, _ in opening])
-        opened: list[SourceVersion] = []
-        for draft, version in opening:
-            row = SourceVersion(
-                tenant_id=tenant_id,
-                source_id=draft.source_id,
-                version=version,
-                content_hash=draft.content_hash,
-                valid_from_epoch=epoch,
-                valid_to_epoch=OPEN_EPOCH,
-                status="active",
-                title=draft.title,
-                meta=dict(draft.metadata),
+            # 3. One short write transaction: the epoch, the rows, the audit leaves.
+            session.connection(execution_options={"sqlite_write": True})
+            _take_epoch(session, tenant_id, epoch)
+            ensure_tenant(session, tenant_id)
+            session.add(
+                Epoch(epoch=epoch, tenant_id=tenant_id, job_id=job_id, summary=result.summary())
             )
-            session.add(row)
-            opened.append(row)
-        session.flush()
-        session.add_all(
-            Chunk(
-                id=chunk_id(tenant_id, draft.source_id, version, c.ordinal),
-                tenant_id=tenant_id,
-                source_id=draft.source_id,
-                version=version,
-                ordinal=c.ordinal,
-                text=c.text,
-                chunk_hash=c.chunk_hash,
-                token_count=c.token_count,
-                char_start=c.char_start,
-                char_end=c.char_end,
+            for row, status in closing:
+                row.status, row.valid_to_epoch = status, epoch
+            _upsert_sources(session, tenant_id, [d for d, _ in opening])
+            opened: list[SourceVersion] = []
+            for draft, version in opening:
+                row = SourceVersion(
+                    tenant_id=tenant_id,
+                    source_id=draft.source_id,
+                    version=version,
+                    content_hash=draft.content_hash,
+                    valid_from_epoch=epoch,
+                    valid_to_epoch=OPEN_EPOCH,
+                    status="active",
+                    title=draft.title,
+                    meta=dict(draft.metadata),
+                )
+                session.add(row)
+                opened.append(row)
+            session.flush()
+            session.add_all(
+                Chunk(
+                    id=chunk_id(tenant_id, draft.source_id, version, c.ordinal),
+                    tenant_id=tenant_id,
+                    source_id=draft.source_id,
+                    version=version,
+                    ordinal=c.ordinal,
+                    text=c.text,
+                    chunk_hash=c.chunk_hash,
+                    token_count=c.token_count,
+                    char_start=c.char_start,
+                    char_end=c.char_end,
+                )
+                for draft, version in opening
+                for c in draft.chunks
             )
-            for draft, version in opening
-            for c in draft.chunks
-        )
-        for row in closing:
-            append_version_event(session, row, "version_closed")
-        for row in opened:
-            append_version_event(session, row, "version_opened")
-        session.commit()
+            for row, _ in closing:
+                append_version_event(session, row, "version_closed")
+            for row in opened:
+                append_version_event(session, row, "version_opened")
+            session.commit()
     except BaseException:
         session.rollback()
         raise
@@ -396,7 +470,7 @@ def commit(
 
     result.epoch = epoch
     # SQL is the truth from here on; the index catches up (and sweep finishes it after a crash).
-    for row in closing:
+    for row, _ in closing:
         index.close_version(tenant_id, row.source_id, row.version, epoch)
     return result
 
@@ -443,7 +517,7 @@ def current_epoch(session: Session, tenant_id: str) -> int:
 def epoch_at(session: Session, tenant_id: str, when: datetime) -> int:
     """The tenant's last epoch committed at or before ``when`` (0: before its first commit)."""
     query = select(func.coalesce(func.max(Epoch.epoch), 0)).where(
-        Epoch.tenant_id == tenant_id, Epoch.committed_at <= when
+        Epoch.tenant_id == tenant_id, Epoch.committed_at <= as_utc(when)
     )
     return session.scalar(query) or 0
 
@@ -588,17 +662,18 @@ def sweep(
     model_id: str | None = None,
 ) -> SweepReport:
     """Make the index mirror SQL for one tenant: delete points no committed chunk names (left by
-    a crash before a commit), rewrite payloads that disagree with SQL (a close cut short), and, given the
-    embedding ``model_id``, restore missing or mismatched points from the embeddings cache.
+    a crash before a commit), rewrite payloads that disagree with SQL (a close cut short), and,
+    given the embedding ``model_id``, restore missing or mismatched points from the embeddings
+    cache.
 
     Holds the tenant's writers' lock throughout, so none of its commits is between its vector
     and SQL writes.
     """
     report = SweepReport()
-    session = sessions()
-    try:
-        _lock_writers(session, tenant_id, advance=0)
-        expected = expected_points(session, tenant_id)
+    with writers_lock(sessions, tenant_id):
+        with sessions() as session:
+            expected = expected_points(session, tenant_id)
+        # The scan runs with no transaction open: receipt writes go on meanwhile.
         orphans: list[str] = []
         repairs: list[IndexPoint] = []
         rewrite: list[IndexPoint] = []
@@ -614,20 +689,20 @@ def sweep(
                 repairs.append(want)
         mismatched = {p.chunk_id for p in rewrite}
         rewrite += [p for cid, p in expected.items() if cid not in seen]
-        restored = _with_cached_vectors(session, rewrite, model_id) if model_id else []
+        restored: list[IndexPoint] = []
+        if model_id:
+            with sessions() as session:
+                restored = _with_cached_vectors(session, rewrite, model_id)
         unrestorable = mismatched - {p.chunk_id for p in restored}
         # A point whose vector belongs to other text is worse than none: drop it if not rewritten.
         index.delete(orphans + sorted(unrestorable))
         index.set_payloads(repairs)
         index.upsert(restored)
         index.flush()
-        report.orphans_deleted = len(orphans)
-        report.payloads_repaired = len(repairs)
-        report.points_restored = len(restored)
-        report.points_missing = len(rewrite) - len(restored)
-    finally:
-        session.rollback()  # the lock took no epoch; release it
-        session.close()
+    report.orphans_deleted = len(orphans)
+    report.payloads_repaired = len(repairs)
+    report.points_restored = len(restored)
+    report.points_missing = len(rewrite) - len(restored)
     return report
 
 

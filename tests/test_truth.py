@@ -1,7 +1,7 @@
 """The truth layer: versions as MVCC over epochs, the write order, crash recovery and the sweep."""
 
 import threading
-from datetime import UTC, datetime, timedelta
+from datetime import UTC, datetime, timedelta, timezone
 
 import numpy as np
 import pytest
@@ -372,3 +372,102 @@ def test_sql_rows_match_the_points_after_a_run_of_changes(sessions, index):
     scanned = {p.chunk_id: p for p in index.scan("acme")}
     assert set(scanned) == set(expected)
     assert all(scanned[c].same_payload(p) for c, p in expected.items())
+
+
+class WritingIndex:
+    """A real index whose upsert and scan first commit a write to the SQLite store through a
+    connection of their own that gives up after 0.2 s: it succeeds only if no transaction of
+    the truth layer holds the database write lock across the vector work."""
+
+    def __init__(self, inner, database: str):
+        self.inner, self.database = inner, database
+        self.writes: list[str] = []
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    def _write(self, what: str) -> None:
+        import sqlite3
+
+        connection = sqlite3.connect(self.database, timeout=0.2, isolation_level=None)
+        try:
+            connection.execute("BEGIN IMMEDIATE")
+            connection.execute(
+                "INSERT INTO tenants (id, name, created_at) VALUES (?, ?, ?)",
+                (f"probe-{len(self.writes)}", what, "2026-01-01 00:00:00"),
+            )
+            connection.execute("COMMIT")
+        finally:
+            connection.close()
+        self.writes.append(what)
+
+    def upsert(self, points):
+        self._write("upsert")
+        return self.inner.upsert(points)
+
+    def scan(self, tenant_id=None):
+        self._write("scan")
+        return self.inner.scan(tenant_id)
+
+
+def test_no_sqlite_write_lock_is_held_across_the_vector_upsert_or_the_sweep_scan(
+    sqlite_url, tmp_path
+):
+    sessions = migrated_sessions(sqlite_url)
+    index = WritingIndex(make_index("edge", tmp_path), sqlite_url.removeprefix("sqlite:///"))
+    commit(sessions, index, draft("a", ["one", "two"]))
+    commit(sessions, index, draft("a", ["one", "three"]), draft("b", ["bee"]))
+    report = truth.sweep(sessions, index, "acme")
+    assert index.writes == ["upsert", "upsert", "scan", "upsert"]  # the sweep's (empty) restore
+    assert (report.orphans_deleted, report.payloads_repaired) == (0, 0)
+    assert current(sessions) == 2
+    assert [v.version for v in versions(sessions, "a")] == [1, 2]
+
+
+def test_the_writers_lock_excludes_a_second_writer_until_the_first_commits(sqlite_url, tmp_path):
+    """Two threads, one SQLite store: while one commit sits between its vector upsert and its
+    SQL commit (holding no transaction), the other waits on the writers' lock, so epochs stay
+    consecutive and each points' valid_from names its own epoch."""
+    sessions = migrated_sessions(sqlite_url)
+    inner = make_index("edge", tmp_path)
+    entered, release = threading.Event(), threading.Event()
+
+    class SlowIndex:
+        def __getattr__(self, name):
+            return getattr(inner, name)
+
+        def upsert(self, points):
+            inner.upsert(points)
+            if points and points[0].source_id == "first":
+                entered.set()
+                release.wait(10)
+
+    results = {}
+    first = threading.Thread(
+        target=lambda: results.setdefault("first", commit(sessions, SlowIndex(), draft("first", ["x"])))
+    )
+    first.start()
+    assert entered.wait(10)
+    second = threading.Thread(
+        target=lambda: results.setdefault("second", commit(sessions, SlowIndex(), draft("second", ["y"])))
+    )
+    second.start()
+    second.join(0.5)
+    assert second.is_alive()  # waiting on the writers' lock, not on SQLite
+    assert current(sessions) == 0
+    release.set()
+    first.join(10)
+    second.join(10)
+    assert (results["first"].epoch, results["second"].epoch) == (1, 2)
+    assert {p.source_id: p.valid_from for p in inner.scan("acme")} == {"first": 1, "second": 2}
+
+
+def test_epoch_at_a_time_with_a_utc_offset_means_the_same_instant(sessions, index):
+    commit(sessions, index, draft("a", ["alpha"]))
+    with sessions() as s:
+        committed = s.scalar(select(Epoch.committed_at).where(Epoch.epoch == 1))
+    committed = committed.replace(tzinfo=UTC) if committed.tzinfo is None else committed
+    plus_five = timezone(timedelta(hours=5))
+    with sessions() as s:
+        assert truth.epoch_at(s, "acme", (committed + timedelta(seconds=1)).astimezone(plus_five)) == 1
+        assert truth.epoch_at(s, "acme", (committed - timedelta(seconds=1)).astimezone(plus_five)) == 0
