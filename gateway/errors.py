@@ -1,11 +1,19 @@
 """Every failure leaves the API as one OpenAI-style body: {"error": {message, type, param, code}}."""
 
+import logging
+
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+from sqlalchemy.exc import DBAPIError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from gateway.auth import AuthError
+from provenance.db import is_transient
+
+log = logging.getLogger("inherent.errors")
+# Seconds a client should wait before retrying while the database is unavailable.
+DATABASE_RETRY_AFTER_S = 2
 
 
 class APIError(Exception):
@@ -71,6 +79,22 @@ def install_error_handlers(app: FastAPI) -> None:
     async def http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
         return APIError(
             exc.status_code, str(exc.detail), code="not_found" if exc.status_code == 404 else None
+        ).response()
+
+    @app.exception_handler(DBAPIError)
+    async def database_error(_: Request, exc: DBAPIError) -> JSONResponse:
+        if not is_transient(exc):
+            log.error("database error", exc_info=exc)
+            return APIError(
+                500, "internal error; the failure was logged", type="server_error"
+            ).response()
+        # Down or restarting: nothing was generated, so nothing is lost; the client retries.
+        return APIError(
+            503,
+            "the database is unavailable; retry shortly",
+            type="server_error",
+            code="database_unavailable",
+            headers={"Retry-After": str(DATABASE_RETRY_AFTER_S)},
         ).response()
 
     @app.exception_handler(Exception)

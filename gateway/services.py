@@ -9,6 +9,7 @@ from prometheus_client import CollectorRegistry
 from sqlalchemy.orm import Session
 
 from provenance import memory
+from provenance.receipt_writer import ReceiptWriter
 from provenance.settings import Settings, cpu_list
 from provenance.truth import current_epoch
 
@@ -50,6 +51,12 @@ class Services:
     registry: CollectorRegistry = field(default_factory=CollectorRegistry)
     # Keeps this replica's embedded index caught up with the truth layer (several processes).
     catch_up: Any = None  # provenance.projection.CatchUpLoop | None
+    receipts: ReceiptWriter = field(init=False)  # receipt commits, off the event loop
+
+    def __post_init__(self) -> None:
+        self.receipts = ReceiptWriter(
+            self.settings.sqlalchemy_url, self.settings.receipt_commit_timeout_s
+        )
 
     async def start(self) -> None:
         """The engine thread starts with the AsyncEngine; the catch-up loop starts here."""
@@ -60,6 +67,7 @@ class Services:
         if self.catch_up is not None:
             self.catch_up.stop()
         self.engine.shutdown()
+        self.receipts.close()  # the receipts of the last requests (cancelled ones too) land
 
     def healthy(self) -> bool:
         return self.engine.is_healthy()

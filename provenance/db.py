@@ -6,7 +6,17 @@ from functools import lru_cache
 from typing import Any
 
 from sqlalchemy import Engine, create_engine, event
+from sqlalchemy.exc import DBAPIError, InterfaceError, OperationalError
 from sqlalchemy.orm import Session, sessionmaker
+
+
+def is_transient(error: BaseException) -> bool:
+    """A database failure that a later attempt may not meet: the server is down or restarting,
+    the connection dropped, or SQLite stayed locked past its busy timeout. Constraint and data
+    errors are not: retrying them fails the same way."""
+    if isinstance(error, OperationalError | InterfaceError):
+        return True
+    return isinstance(error, DBAPIError) and error.connection_invalidated
 
 
 def _sqlite_on_connect(dbapi_connection, _record) -> None:
@@ -40,6 +50,7 @@ def get_engine(url: str) -> Engine:
     # Pinned rather than left to the server's default_transaction_isolation: the row locks that
     # serialize epoch and audit-log writers rely on a waiter re-reading the row its predecessor
     # committed, which REPEATABLE READ and SERIALIZABLE answer with a serialization failure.
+    # pre-ping: a pooled connection that a database restart cut is replaced before it is used.
     return create_engine(url, pool_pre_ping=True, isolation_level="READ COMMITTED")
 
 

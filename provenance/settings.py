@@ -89,6 +89,11 @@ class Settings(BaseSettings):
     archive_max_expanded_bytes: int = Field(256 * 1024 * 1024, gt=0)
     archive_max_ratio: float = Field(200.0, gt=1)
     archive_max_members: int = Field(10_000, gt=0)
+    # In-process ingestion jobs (no Redis) run on a pool of this many threads; more wait queued.
+    ingest_workers: int = Field(2, gt=0)
+    # How long a request keeps retrying its receipt while the database is unreachable before it
+    # fails closed (503, or an error event that names no receipt): no answer without its receipt.
+    receipt_commit_timeout_s: float = Field(10.0, gt=0)
 
     retrieval_top_k: int = Field(4, gt=0)
     retrieval_min_score: float = Field(0.3, ge=-1.0, le=1.0)

@@ -7,7 +7,7 @@ import time
 from collections.abc import AsyncIterator
 from typing import Any
 
-from fastapi import APIRouter
+from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.concurrency import run_in_threadpool
 
@@ -19,7 +19,8 @@ from gateway.schemas import ChatCompletion, ChatCompletionRequest, ModelCard, Mo
 from gateway.services import PreparedPrompt, Services
 from provenance.db import session_scope
 from provenance.memory import TEMPLATE_VERSION, UnknownSnapshot
-from provenance.receipts import ReceiptRecord, new_receipt_id, write_receipt
+from provenance.receipt_writer import ReceiptNotCommitted
+from provenance.receipts import ReceiptRecord, new_receipt_id
 
 router = APIRouter(tags=["chat"])
 log = logging.getLogger("inherent.chat")
@@ -114,15 +115,11 @@ def new_record(
     )
 
 
-def save(services: Services, record: ReceiptRecord) -> None:
-    with session_scope(services.settings.sqlalchemy_url, write=True) as session:
-        write_receipt(session, record)
-
-
 async def run_engine(
     services: Services, record: ReceiptRecord, prompt: PreparedPrompt, params: SamplingParams
 ) -> AsyncIterator[Any]:
-    """Stream engine outputs while filling the receipt; the receipt is always written."""
+    """Stream engine outputs while filling the receipt. The receipt is always written, off the
+    event loop; the stream ends only once it is committed (ReceiptNotCommitted if it cannot be)."""
     start = time.perf_counter()
     try:
         async for out in services.engine.generate(prompt.prompt_ids, params, record.receipt_id):
@@ -134,29 +131,71 @@ async def run_engine(
             yield out
     except (EngineOverloaded, InvalidRequest):
         raise  # refused before any work: the client gets a 4xx, there is nothing to audit
-    except BaseException as exc:
-        # Cancelled by a client that went away, or a failure mid-generation: still a receipt.
-        kind = (
-            "cancelled"
-            if isinstance(exc, GeneratorExit | asyncio.CancelledError)
-            else type(exc).__name__
-        )
-        record.error = {"type": kind, "message": str(exc) or kind}
-        if record.finish_reason is None:
-            record.finish_reason = "abort"
-        save(services, record)
+    except (GeneratorExit, asyncio.CancelledError):
+        # The client went away: leaving generate() aborted the engine request (its KV blocks are
+        # freed at the next step). The receipt is committed without waiting: nobody reads it.
+        record.error = {"type": "cancelled", "message": "the client went away mid-answer"}
+        record.finish_reason = record.finish_reason or "abort"
+        services.receipts.submit(record)
+        raise
+    except Exception as exc:
+        # A failure mid-generation is reported only once its receipt is committed.
+        record.error = {"type": type(exc).__name__, "message": str(exc) or type(exc).__name__}
+        record.finish_reason = record.finish_reason or "abort"
+        await services.receipts.write(record)
         raise
     if record.finish_reason == "abort":
         record.error = {"type": "aborted", "message": "the engine aborted the request"}
     prompt.timings.engine = time.perf_counter() - start
     start = time.perf_counter()
-    await run_in_threadpool(save, services, record)
+    await services.receipts.write(record)
     prompt.timings.receipt = time.perf_counter() - start
+
+
+def receipt_unavailable(exc: ReceiptNotCommitted) -> APIError:
+    """Fail closed: an answer whose receipt is not committed is not returned."""
+    return APIError(
+        503,
+        f"the answer was not returned because its receipt could not be committed ({exc}); retry",
+        type="server_error",
+        code="receipt_not_committed",
+        headers={"Retry-After": "2"},
+    )
+
+
+async def drain_unless_gone(stream: AsyncIterator[Any], request: Request) -> bool:
+    """Run a non-streaming generation to its end, or cancel it when the client disconnects
+    first (True then): the engine aborts the request and frees its KV blocks, and the receipt
+    says cancelled. Raises what the generation raises (ReceiptNotCommitted among them)."""
+    generation = asyncio.ensure_future(_consume(stream))
+    watcher = asyncio.ensure_future(_disconnected(request))
+    try:
+        await asyncio.wait({generation, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+        gone = not generation.done()
+        if gone:
+            generation.cancel()
+            await asyncio.wait({generation})
+    if not gone:
+        generation.result()
+    return gone
+
+
+async def _consume(stream: AsyncIterator[Any]) -> None:
+    async for _ in stream:
+        pass
+
+
+async def _disconnected(request: Request) -> None:
+    # The body is read: the server's next message for this request is its disconnect.
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
 
 
 @router.post("/v1/chat/completions", response_model=None)
 async def chat_completions(
-    body: ChatCompletionRequest, services: ServicesDep, principal: ChatPrincipal
+    body: ChatCompletionRequest, services: ServicesDep, principal: ChatPrincipal, request: Request
 ) -> Any:
     if body.model not in services.served_model_names:
         raise APIError(
@@ -176,6 +215,8 @@ async def chat_completions(
         first = await anext(stream)
     except StopAsyncIteration:
         first = None
+    except ReceiptNotCommitted as exc:
+        raise receipt_unavailable(exc) from exc
     except (EngineOverloaded, InvalidRequest) as exc:
         overloaded = isinstance(exc, EngineOverloaded)
         raise APIError(
@@ -188,8 +229,15 @@ async def chat_completions(
 
     if not body.stream:
         if first is not None:
-            async for _ in stream:
-                pass
+            try:
+                gone = await drain_unless_gone(stream, request)
+            except ReceiptNotCommitted as exc:
+                raise receipt_unavailable(exc) from exc
+            if gone:  # nobody reads this; it keeps the access log and metrics honest
+                return APIError(
+                    499, "client closed request", type="cancelled",
+                    code="client_closed_request", headers=headers,
+                ).response()
         completion = ChatCompletion(
             id=f"chatcmpl-{record.receipt_id}",
             created=created,
@@ -265,15 +313,17 @@ async def sse_events(
                 yield chunk({"content": out.text})
     except Exception as exc:
         log.exception("generation failed mid-stream")
+        committed = not isinstance(exc, ReceiptNotCommitted)
         yield sse(
             {
                 "error": {
-                    "message": f"generation failed: {exc}",
+                    "message": str(exc) if not committed else f"generation failed: {exc}",
                     "type": "server_error",
                     "param": None,
-                    "code": "generation_failed",
+                    "code": "generation_failed" if committed else "receipt_not_committed",
                 },
-                "receipt_id": record.receipt_id,
+                # Only a committed receipt is named: fail closed when there is none.
+                **({"receipt_id": record.receipt_id} if committed else {}),
             }
         )
         yield "data: [DONE]\n\n"
