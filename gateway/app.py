@@ -1,5 +1,6 @@
 """The FastAPI application: routes grouped by audience, one error body, metrics on every route."""
 
+import logging
 import time
 from collections.abc import Callable
 from contextlib import asynccontextmanager
@@ -11,8 +12,11 @@ from gateway.drain import Drain, DrainMiddleware
 from gateway.errors import install_error_handlers
 from gateway.routes import admin, chat, health, receipts, review
 from gateway.services import Services
+from ingest import jobs
 from provenance.migrate import ready_schema
 from provenance.settings import Settings, get_settings
+
+log = logging.getLogger("inherent.app")
 
 
 def create_app(
@@ -28,6 +32,8 @@ def create_app(
     async def lifespan(app: FastAPI):
         settings.data_dir.mkdir(parents=True, exist_ok=True)
         ready_schema(settings)
+        for job_id in jobs.fail_orphaned_jobs(settings):
+            log.warning("ingestion job %s was left by a process that died: marked failed", job_id)
         if services_factory is None:
             from gateway.services import build_services
 

@@ -22,7 +22,7 @@ import random
 from functools import lru_cache
 
 from celery import Celery
-from celery.signals import worker_init, worker_shutdown
+from celery.signals import worker_init, worker_ready, worker_shutdown
 from sqlalchemy.exc import DBAPIError, OperationalError
 
 from ingest import jobs
@@ -65,6 +65,9 @@ def make_celery(settings: Settings) -> Celery:
             "unacked_restore_interval": max(0.5, min(10.0, settings.celery_visibility_timeout / 4)),
             "unacked_restore_throttle": 1,
         },
+        # A broker restart must not cancel the job in hand: it finishes and records its outcome
+        # in the database (the job row is the truth); the worker reconnects afterwards.
+        worker_cancel_long_running_tasks_on_connection_loss=False,
         worker_hijack_root_logger=False,
     )
 
@@ -114,3 +117,9 @@ def _check_schema(**_: object) -> None:
 def _close_indexes(**_: object) -> None:
     # Flush and release the embedded index so the next process can open it.
     close_vector_indexes()
+
+
+@worker_ready.connect
+def _fail_orphaned_jobs(**_: object) -> None:
+    # Jobs a dead worker on this host held are marked failed; a redelivered one runs again.
+    jobs.fail_orphaned_jobs(get_settings())

@@ -2,8 +2,8 @@
 
 A job is a row in ``ingestion_jobs`` (state, progress, errors, summary) plus one run of
 ``run_ingestion_job``: as a Celery task on Redis when ``Settings.redis_url`` is set (see
-``ingest.celery_app``), otherwise in this process (a background thread, or inline with
-``wait=True``). The run is idempotent: sources whose content is already the open version are
+``ingest.celery_app``), otherwise in this process (a bounded pool of ``Settings.ingest_workers``
+threads, or inline with ``wait=True``). The run is idempotent: sources whose content is already the open version are
 skipped, chunk ids and vector points are deterministic, and a job that already succeeded is not
 run again, so a redelivered or re-run job converges to the same state.
 
@@ -15,10 +15,12 @@ Route map: ``POST /admin/ingest`` → ``submit_ingestion``; ``GET /admin/jobs/{i
 
 from __future__ import annotations
 
-import threading
+import os
+import socket
 import time
 import uuid
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from datetime import datetime
 from functools import lru_cache
@@ -66,7 +68,7 @@ class JobStatus:
     errors: dict[str, str]  # source id -> reason
     # When done: added/updated/unchanged/deprecated/deleted/failed/skipped counts, the skipped
     # sources with their reasons, epochs, sweep report;
-    # when failed: "error".
+    # when failed: "error"; while queued in process or running: "runner" (host, boot, pid).
     summary: dict[str, Any]
     celery_task_id: str | None
 
@@ -191,18 +193,86 @@ def _dispatch(settings: Settings, job_id: str, wait: bool) -> None:
     elif wait:
         run_ingestion_job(settings, job_id)
     else:
-        thread = threading.Thread(
-            target=_run_quietly, args=(settings, job_id), name=f"ingest-{job_id}", daemon=True
-        )
-        thread.start()
+        # Claimed by this process while queued in its pool, so a restart can tell it was lost.
+        _update_job(settings, job_id, summary={"runner": runner()})
+        _pool(settings.ingest_workers).submit(_run_quietly, settings, job_id)
+
+
+@lru_cache(maxsize=4)
+def _pool(workers: int) -> ThreadPoolExecutor:
+    """The bounded pool in-process jobs run on (``Settings.ingest_workers`` threads); jobs
+    beyond it wait, queued."""
+    return ThreadPoolExecutor(workers, thread_name_prefix="inherent-ingest")
 
 
 def _run_quietly(settings: Settings, job_id: str) -> None:
-    # The job row records the failure; a background thread has no one to raise to.
+    # The job row records the failure; a pool thread has no one to raise to.
     try:
         run_ingestion_job(settings, job_id)
     except Exception:
         return
+
+
+def _process_start(pid: int) -> str | None:
+    """The process's start time in clock ticks since boot (None: no such process)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    return stat.rsplit(")", 1)[1].split()[19]  # field 22, counted after the command name
+
+
+def _boot_id() -> str:
+    try:
+        return Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+    except OSError:
+        return ""
+
+
+def runner() -> dict[str, Any]:
+    """This process, as a job row records who holds it (queued in process, or running), so a
+    later start can tell a job whose process died under it (same host: the pid is gone or
+    reused, or the machine rebooted) from one another live process holds."""
+    pid = os.getpid()
+    return {
+        "host": socket.gethostname(),
+        "boot": _boot_id(),
+        "pid": pid,
+        "start": _process_start(pid),
+    }
+
+
+def _runner_is_dead(holder: dict[str, Any]) -> bool:
+    if holder.get("host") != socket.gethostname():
+        return False  # another machine's process: not ours to judge
+    if holder.get("boot") != _boot_id():
+        return True
+    return _process_start(int(holder.get("pid", 0))) != holder.get("start")
+
+
+def fail_orphaned_jobs(settings: Settings) -> list[str]:
+    """Mark failed, with the reason, every queued or running job whose runner on this host has
+    died (the gateway calls this at start, the Celery worker when it is ready); return their
+    ids. ``rerun_job`` runs one again; Celery also redelivers an unacknowledged job by itself."""
+    orphaned = []
+    with session_scope(_url(settings), write=True) as session:
+        rows = session.scalars(
+            select(IngestionJob).where(IngestionJob.state.in_(("queued", "running")))
+        )
+        for row in rows:
+            holder = (row.summary or {}).get("runner")
+            if not holder or not _runner_is_dead(holder):
+                continue
+            row.summary = {
+                "error": (
+                    f"the process that held this job (pid {holder.get('pid')} on "
+                    f"{holder.get('host')}) exited while it was {row.state}; run it again"
+                ),
+                "runner": holder,
+            }
+            row.state = "failed"
+            orphaned.append(row.id)
+    return orphaned
 
 
 def get_job(settings: Settings, job_id: str) -> JobStatus | None:
@@ -256,7 +326,7 @@ def run_ingestion_job(settings: Settings, job_id: str) -> JobStatus:
         chunks_embedded=0,
         chunks_skipped=0,
         errors={},
-        summary={},
+        summary={"runner": runner()},
     )
     try:
         rt = runtime(settings)
@@ -325,7 +395,9 @@ def note_retry(
 
 
 def _update_job(settings: Settings, job_id: str, **values: Any) -> JobStatus:
-    with session_scope(_url(settings)) as session:
+    # A write transaction from its BEGIN: on SQLite a read that upgrades to a write fails at
+    # once (no busy wait) when another job committed meanwhile.
+    with session_scope(_url(settings), write=True) as session:
         row = session.get(IngestionJob, job_id)
         if row is None:
             raise JobNotFound(job_id)
