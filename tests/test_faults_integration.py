@@ -282,7 +282,7 @@ def test_redis_restarted_mid_job_the_job_completes_without_duplicates(postgres, 
             want = [1, 2] if source.source_id == "doc-0007.md" else [1]
             assert [v.version for v in truth.list_versions(s, "acme", source.source_id)] == want
         stored = {}
-        for chunk in truth.chunks_as_of(s, "acme", truth.current_epoch(s)):
+        for chunk in truth.chunks_as_of(s, "acme", truth.current_epoch(s, "acme")):
             stored.setdefault(chunk.source_id, []).append(chunk.chunk_hash)
         total_chunks = s.scalar(select(func.count()).select_from(Chunk))
     files["doc-0007.md"] = "# Document 7\n\nRewritten after the restart."
