@@ -14,7 +14,7 @@ import time
 
 import pytest
 import torch
-from engine_fixtures import CHAT_PROMPTS, chat, write_tiny_llama
+from engine_fixtures import CHAT_PROMPTS, chat, needs_kernels, write_tiny_llama
 from pydantic import ValidationError
 
 from engine.async_engine import AsyncEngine
@@ -29,9 +29,11 @@ from provenance.settings import Settings
 # Decode cache: 40 blocks x 4 tokens. A request may need up to 80 tokens (20 blocks).
 # The tiny engines fork their workers from a server that imported torch once (restarts in ~1 s);
 # the bundled-model test starts them the default way (spawn).
+# Batch-invariant: the tests compare tokens with the colocated engine's, which only that mode
+# promises (the workers batch and chunk differently; by default a near-tie may flip).
 TINY = dict(block_size=4, max_model_len=128, max_num_batched_tokens=32, max_num_seqs=8,
             num_kv_blocks=64, disagg_prefill_kv_blocks=48, disagg_decode_kv_blocks=40,
-            disagg_start_method="forkserver")
+            disagg_start_method="forkserver", batch_invariant=True)
 GREEDY = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
 
 
@@ -42,6 +44,7 @@ def prompts(n: int, seed: int = 0, low: int = 3, high: int = 60) -> list[list[in
 
 @pytest.fixture(scope="module")
 def tiny_model(tmp_path_factory) -> str:
+    needs_kernels()
     return str(write_tiny_llama(tmp_path_factory.mktemp("tiny-llama")))
 
 
@@ -205,7 +208,7 @@ async def test_killing_the_decode_worker_fails_its_stream_and_the_engine_recover
                         os.kill(pids["decode"], signal.SIGSTOP)
                         os.kill(pids["prefill"], signal.SIGSTOP)
                         rerun = asyncio.create_task(tokens(waiting))
-                        await asyncio.sleep(0.3)  # dispatched to the frozen prefill worker
+                        await dispatched_to_prefill(engine, count=1)  # the frozen worker has it
                         os.kill(pids["decode"], signal.SIGKILL)
                         killed_at = time.monotonic()
         assert killed_at is not None and time.monotonic() - killed_at < 5.0
@@ -217,10 +220,9 @@ async def test_killing_the_decode_worker_fails_its_stream_and_the_engine_recover
         assert engine.is_healthy() and engine.num_restarts == 1
         # A worker that dies while the engine is idle: unhealthy at once, back on demand.
         os.kill(engine.worker_pids()["prefill"], signal.SIGKILL)
-        deadline = time.monotonic() + 2.0
-        while engine.is_healthy() and time.monotonic() < deadline:  # until the kernel reaps it
-            await asyncio.sleep(0.01)
-        assert not engine.is_healthy()
+        async with asyncio.timeout(30):  # until the kernel reaps it (slow on a loaded machine)
+            while engine.is_healthy():
+                await asyncio.sleep(0.01)
         async with asyncio.timeout(60):
             assert await tokens(later) == expected[1]
         assert engine.is_healthy() and engine.num_restarts == 2
@@ -230,6 +232,14 @@ async def test_killing_the_decode_worker_fails_its_stream_and_the_engine_recover
         assert_blocks_freed(engine)
     finally:
         engine.close()
+
+
+async def dispatched_to_prefill(engine: DisaggregatedEngine, count: int) -> None:
+    """Until the front has sent `count` requests to the prefill worker (a state, not a guess
+    at how long the dispatch takes)."""
+    async with asyncio.timeout(30):
+        while sum(role == "prefill" for role in list(engine._location.values())) < count:
+            await asyncio.sleep(0.005)
 
 
 def process_gone(pid: int) -> bool:
@@ -330,6 +340,7 @@ def test_the_disagg_settings_reach_the_engine_config(monkeypatch):
 
 @pytest.mark.slow
 def test_greedy_output_equals_colocated_on_the_bundled_model():
+    needs_kernels()
     # Batch-invariant numerics: the decode worker batches other requests than the colocated
     # engine does, and with shape-dependent kernels a near-tie (prompt 5's second token) flips.
     settings = dict(max_model_len=512, num_kv_blocks=128, max_num_batched_tokens=256,
