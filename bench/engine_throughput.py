@@ -3,17 +3,21 @@
 Workload (fixed seed): prompts of 128 to 512 random token ids, 128 output tokens each, EOS
 ignored, greedy. The engine gets every request at once (continuous batching); transformers gets
 the same requests in static batches (left-padded), with the same weights (the engine's loaded
-checkpoint, put into transformers' LlamaForCausalLM), dtype and thread count. Both run in this
-process. The engine runs ``--rounds`` times (prefix cache emptied before each), alternated with
-the vLLM peer's runs, transformers once after the engine's first round; the best round of each
-is compared, and every round is printed.
+checkpoint, put into transformers' LlamaForCausalLM, loaded strictly) and thread count; the vLLM
+CPU peer (bench/peers/vllm_cpu.sh setup) the same requests in its own Python, through
+bench/vllm_peer.py.
+
+Fairness: each side runs its own fastest honest configuration on this CPU, and the output says
+which: the engine as it serves (bf16 matmuls and KV cache where the CPU has bf16 dot products,
+the GGUF blocks for matmuls of few rows), transformers in whichever of float32 and bf16 a probe
+finds faster here, vLLM in bf16 only where the CPU has bf16 instructions. Every side runs
+``--rounds`` times, alternated (engine, transformers, vLLM, engine, ...; prefix cache emptied
+before each engine round); each side's best round is compared, and every round is printed.
 
 Also printed: the machine's memory read bandwidth (see read_bandwidth_gbs), the batch-1 decode
-roofline (weight bytes / bandwidth), the engine's measured batch-1 decode step, and the greedy
-agreement between the two runs. When the vLLM CPU peer has been
-set up (../shared/peers/vllm_cpu.sh setup), it runs the same requests too (bf16, in its own
-Python, through bench/vllm_peer.py), with its greedy agreement with the engine. The last line is
-one JSON object.
+roofline (the bytes a decode step reads, in the format the engine reads them, / bandwidth), the
+engine's measured batch-1 decode step, and the greedy agreement between the sides. The last line
+is one JSON object.
 
     flock /tmp/inherent-bench.lock .venv/bin/python bench/engine_throughput.py
     flock /tmp/inherent-bench.lock .venv/bin/python bench/engine_throughput.py \
@@ -54,7 +58,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--hf-requests", type=int, default=None,
                    help="requests for transformers (default: all); 0 skips it")
     p.add_argument("--hf-batch-size", type=int, default=64)
-    p.add_argument("--dtype", default="float32")
+    p.add_argument("--dtype", default="float32",
+                   help="the engine's model dtype (its matmuls follow the CPU, see README)")
     p.add_argument("--model", default=None, help="GGUF file or HF folder (default: bundled)")
     p.add_argument("--block-size", type=int, default=defaults.block_size)
     p.add_argument("--max-num-seqs", type=int, default=defaults.max_num_seqs)
@@ -63,7 +68,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--no-chunked-prefill", action="store_true")
     p.add_argument("--skip-vllm", action="store_true")
     p.add_argument("--rounds", type=int, default=2,
-                   help="engine and vLLM runs, alternated; the best of each is reported")
+                   help="runs of each side, alternated; the best of each is reported")
     return p.parse_args()
 
 
@@ -131,41 +136,66 @@ def batch1_decode_ms(engine: LLMEngine, prompt: list[int]) -> float:
     return statistics.median(out.metrics["itl"]) * 1e3
 
 
-def run_transformers(engine: LLMEngine, checkpoint, prompts: list[list[int]],
-                     output_tokens: int, batch_size: int, dtype: torch.dtype) -> dict:
+def transformers_model(checkpoint):
+    """transformers' Llama on the checkpoint's weights, loaded strictly: every parameter from
+    the checkpoint (the LM head too, unless tied to the embedding), nothing left over."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     model = LlamaForCausalLM(LlamaConfig(**checkpoint.config.to_hf()))
-    model.load_state_dict(checkpoint.weights, strict=False)
+    weights = {k: v for k, v in checkpoint.weights.items() if k != "rope_freqs"}
+    missing, unexpected = model.load_state_dict(weights, strict=False)
+    tied = {"lm_head.weight"} if checkpoint.config.tie_word_embeddings else set()
+    if unexpected or set(missing) != tied:
+        raise RuntimeError(f"transformers' Llama does not take these weights as they are: "
+                           f"missing {missing}, unexpected {unexpected}")
     model.tie_weights()
-    model = model.to(dtype).eval()
-    pad = engine.tokenizer.eos_token_ids[0]
-    model.generation_config.eos_token_id = None  # ignore EOS, like the engine run
-    model.generation_config.pad_token_id = pad
+    return model.eval()
 
-    def generate(batch: list[list[int]], new_tokens: int) -> list[list[int]]:
-        width = max(len(p) for p in batch)
-        ids = torch.tensor([[pad] * (width - len(p)) + p for p in batch])
-        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in batch])
-        with torch.inference_mode():
-            out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=new_tokens,
-                                 do_sample=False)
-        return out[:, width:].tolist()
 
-    generate([prompts[0][:16]], 2)  # warm-up
+def fastest_transformers_dtype(model, prompts: list[list[int]],
+                               pad: int) -> tuple[torch.dtype, dict[str, float]]:
+    """float32 or bf16, whichever runs 16 prompts' prefill and 8 decode steps faster here (best
+    of 2 each; bf16 loses badly on CPUs without bf16 instructions): the model is left in it."""
+    timings = {}
+    batch = [p[:128] for p in prompts[:16]]
+    for dtype in (torch.float32, torch.bfloat16):
+        model.to(dtype)
+        timings[dtype] = min(hf_generate(model, batch, 8, pad)[1] for _ in range(2))
+    best = min(timings, key=timings.get)
+    model.to(best)
+    return best, {str(d).removeprefix("torch."): round(t, 2) for d, t in timings.items()}
+
+
+def hf_generate(model, batch: list[list[int]], new_tokens: int,
+                pad: int) -> tuple[list[list[int]], float]:
+    """One static batch, left-padded, greedy: (new tokens per prompt, seconds)."""
+    width = max(len(p) for p in batch)
+    ids = torch.tensor([[pad] * (width - len(p)) + p for p in batch])
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in batch])
     t = time.perf_counter()
-    outputs = []
+    with torch.inference_mode():
+        out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=new_tokens,
+                             do_sample=False)
+    return out[:, width:].tolist(), time.perf_counter() - t
+
+
+def run_transformers(model, prompts: list[list[int]], output_tokens: int, batch_size: int,
+                     pad: int) -> dict:
+    hf_generate(model, [prompts[0][:16]], 2, pad)  # warm-up
+    elapsed, outputs = 0.0, []
     for i in range(0, len(prompts), batch_size):
-        outputs += generate(prompts[i : i + batch_size], output_tokens)
-    return {"elapsed": time.perf_counter() - t, "outputs": outputs}
+        out, seconds = hf_generate(model, prompts[i : i + batch_size], output_tokens, pad)
+        outputs += out
+        elapsed += seconds
+    return {"elapsed": elapsed, "outputs": outputs}
 
 
 def run_vllm(prompts: list[list[int]], output_tokens: int, threads: int) -> dict | None:
     """The vLLM CPU peer on the same prompt ids, in its own venv and process, with the settings
-    of ../shared/peers/vllm_cpu.sh. None, after saying why, when it is absent or fails."""
+    of bench/peers/vllm_cpu.sh. None, after saying why, when it is absent or fails."""
     python, model = PEERS / "vllm" / "bin" / "python", PEERS / "models" / "smollm2-135m-instruct"
     if not (python.exists() and model.is_dir()):
-        print("vLLM CPU peer: not set up (../shared/peers/vllm_cpu.sh setup); skipped")
+        print("vLLM CPU peer: not set up (bench/peers/vllm_cpu.sh setup); skipped")
         return None
     env = ({"VLLM_CPU_KVCACHE_SPACE": "2", "VLLM_CPU_OMP_THREADS_BIND": f"0-{threads - 1}"}
            | os.environ | {"HF_HUB_OFFLINE": "1", "VLLM_CACHE_ROOT": str(PEERS / "cache" / "vllm"),
@@ -180,6 +210,21 @@ def run_vllm(prompts: list[list[int]], output_tokens: int, threads: int) -> dict
             print(f"vLLM run failed:\n{run.stdout[-2000:]}\n{run.stderr[-2000:]}")
             return None
         return json.loads(result.read_text())
+
+
+def cpu_kind() -> str:
+    """The CPU's model name and the instruction sets that pick the kernels."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            info = f.read()
+    except OSError:
+        return "unknown"
+    name = next((line.split(":", 1)[1].strip() for line in info.splitlines()
+                 if line.startswith("model name")), "unknown")
+    flags = next((set(line.split(":", 1)[1].split()) for line in info.splitlines()
+                  if line.startswith("flags")), set())
+    isa = [f for f in ("avx2", "avx512f", "avx512_bf16", "amx_bf16") if f in flags]
+    return f"{name} ({', '.join(isa) or 'no AVX2'})"
 
 
 def agreement(a: list[list[int]], b: list[list[int]]) -> tuple[float, float]:
@@ -225,8 +270,22 @@ def main() -> None:
     weight_bytes = engine.model_runner.model.decode_weight_bytes
     roofline_ms = weight_bytes / (bandwidth * 1e9) * 1e3
 
+    model = engine.model_runner.model
+    engine_dtypes = (f"matmuls {str(model.matmul_dtype).removeprefix('torch.')}, KV cache "
+                     f"{str(engine.model_runner.kv_cache[0].dtype).removeprefix('torch.')}, "
+                     f"weights read as {model.weights_format}")
+    print(f"engine precision: {engine_dtypes}")
     hf_n = args.num_requests if args.hf_requests is None else args.hf_requests
-    rounds, vllm_rounds, hf = [], [], None
+    hf_batch = min(args.hf_batch_size, hf_n)
+    hf_model = hf_dtype = None
+    pad = engine.tokenizer.eos_token_ids[0]
+    if hf_n:
+        hf_model = transformers_model(checkpoint)
+        hf_model.generation_config.eos_token_id = None  # ignore EOS, like the engine run
+        hf_model.generation_config.pad_token_id = pad
+        hf_dtype, probe = fastest_transformers_dtype(hf_model, prompts, pad)
+        print(f"transformers: {str(hf_dtype).removeprefix('torch.')} (probe seconds {probe})")
+    rounds, hf_rounds, vllm_rounds = [], [], []
     # Alternated, best of each: a shared VM's neighbours slow runs unevenly (the same vLLM run
     # measured 186 and 237 output tok/s an hour apart on this machine).
     for r in range(1, args.rounds + 1):
@@ -241,12 +300,12 @@ def main() -> None:
               f"{ours['steps']} steps, model forward {ours['forward_seconds']:.1f} s, everything "
               f"else {overhead:.1f} s ({overhead / ours['steps'] * 1e3:.2f} ms/step), "
               f"{ours['preemptions']} preemptions")
-        if r == 1 and hf_n:
-            hf = run_transformers(engine, checkpoint, prompts[:hf_n], args.output_tokens,
-                                  min(args.hf_batch_size, hf_n), getattr(torch, args.dtype))
+        if hf_model is not None:
+            hf = run_transformers(hf_model, prompts[:hf_n], args.output_tokens, hf_batch, pad)
+            hf_rounds.append(hf)
             print(f"  transformers: {hf['elapsed']:.1f} s, "
                   f"{hf_n * args.output_tokens / hf['elapsed']:.1f} output tok/s ({hf_n} "
-                  f"requests, static batches of {min(args.hf_batch_size, hf_n)})")
+                  f"requests, static batches of {hf_batch}, {hf_dtype})")
         vllm = None if args.skip_vllm else run_vllm(prompts, args.output_tokens, args.threads)
         if vllm is not None:
             vllm_rounds.append(vllm)
@@ -254,7 +313,7 @@ def main() -> None:
             print(f"  vLLM CPU:     {vllm['elapsed']:.1f} s, "
                   f"{vllm_out_tokens / vllm['elapsed']:.1f} output tok/s, "
                   f"{(vllm_out_tokens + prompt_tokens) / vllm['elapsed']:.1f} total tok/s "
-                  f"(bf16, the same {args.num_requests} requests)")
+                  f"({vllm['dtype']}, the same {args.num_requests} requests)")
 
     ours = min(rounds, key=lambda run: run["elapsed"])
     out_tok_s = ours["out_tokens"] / ours["elapsed"]
@@ -266,10 +325,13 @@ def main() -> None:
 
     result = {"out_tok_s": round(out_tok_s, 1), "decode_b1_ms": round(decode_ms, 2),
               "roofline_b1_ms": round(roofline_ms, 2), "bandwidth_gbs": round(bandwidth, 1),
-              "num_requests": args.num_requests,
+              "num_requests": args.num_requests, "cpu": cpu_kind(),
+              "engine_precision": engine_dtypes, "weights_format": model.weights_format,
+              "decode_weight_mb": round(weight_bytes / 1e6, 1),
               "engine_rounds_out_tok_s": [round(run["out_tokens"] / run["elapsed"], 1)
                                           for run in rounds]}
-    if hf is not None:
+    if hf_rounds:
+        hf = min(hf_rounds, key=lambda run: run["elapsed"])
         hf_tok_s = hf_n * args.output_tokens / hf["elapsed"]
         exact, prefix = agreement(ours["outputs"][:hf_n], hf["outputs"])
         print(f"ratio engine/transformers: {out_tok_s / hf_tok_s:.2f}x; greedy match: "
@@ -277,20 +339,23 @@ def main() -> None:
               f"difference")
         result |= {"hf_out_tok_s": round(hf_tok_s, 1),
                    "ratio_vs_hf": round(out_tok_s / hf_tok_s, 2),
+                   "hf_dtype": str(hf_dtype).removeprefix("torch."),
                    "greedy_match": round(exact, 3), "greedy_prefix_match": round(prefix, 3),
-                   "hf_requests": hf_n}
+                   "hf_requests": hf_n,
+                   "hf_rounds_out_tok_s": [round(hf_n * args.output_tokens / run["elapsed"], 1)
+                                           for run in hf_rounds]}
     if vllm_rounds:
         vllm = min(vllm_rounds, key=lambda run: run["elapsed"])
         vllm_tok_s = sum(map(len, vllm["outputs"])) / vllm["elapsed"]
-        # vLLM runs all of it in bf16, the engine only its matmuls and KV (on bf16 CPUs):
-        # greedy outputs may part early.
+        # vLLM runs all of it in its dtype, the engine only its matmuls and KV in bf16 (on
+        # bf16 CPUs): greedy outputs may part early.
         exact, prefix = agreement(ours["outputs"], vllm["outputs"])
         print(f"vLLM, best of {len(vllm_rounds)}: {vllm_tok_s:.1f} output tok/s")
         print(f"ratio engine/vLLM: {out_tok_s / vllm_tok_s:.2f}x; greedy match: {exact:.0%} of "
               f"requests identical, {prefix:.0%} of tokens before the first difference")
         result |= {"vllm_out_tok_s": round(vllm_tok_s, 1),
                    "ratio_vs_vllm": round(out_tok_s / vllm_tok_s, 2),
-                   "vllm_greedy_match": round(exact, 3),
+                   "vllm_greedy_match": round(exact, 3), "vllm_dtype": vllm["dtype"],
                    "vllm_rounds_out_tok_s": [
                        round(sum(map(len, run["outputs"])) / run["elapsed"], 1)
                        for run in vllm_rounds]}

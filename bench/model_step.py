@@ -124,22 +124,31 @@ def report_model(name: str, model: LlamaModel, bandwidth: float) -> None:
 
 
 def report_matmul_crossover() -> None:
-    """fp32 vs bf16 time of one layer's four matmuls by token count (bf16 as the engine runs it:
-    our kernel where the CPU has AVX512-BF16, oneDNN otherwise)."""
+    """fp32 vs bf16 vs GGUF Q4_1 blocks (cpu_kernels.QuantLinear, float32 arithmetic): time of
+    one layer's four matmuls by token count (bf16 as the engine runs it: our kernel where the CPU
+    has AVX512-BF16, oneDNN otherwise). Where the blocks stop winning is
+    engine.model.BLOCK_MAX_ROWS."""
+    from gguf import GGMLQuantizationType
+    from gguf.quants import quantize
+
     shapes = [(960, 576), (576, 576), (3072, 576), (576, 1536)]
     fp32 = [_Linear(torch.randn(o, i)) for o, i in shapes]
+    blocks = [cpu_kernels.QuantLinear(torch.from_numpy(quantize(
+        torch.randn(o, i).numpy(), GGMLQuantizationType.Q4_1)), "Q4_1", i) for o, i in shapes]
     if cpu_kernels.bf16_linear_supported():
         bf16, kind = [cpu_kernels.Bf16Linear(torch.randn(o, i)) for o, i in shapes], "kernel"
     else:
         bf16, kind = [_Linear(torch.randn(o, i).bfloat16()) for o, i in shapes], "oneDNN"
     print(f"\n== one layer's matmuls, fp32 (oneDNN) vs bf16 ({kind}), by tokens per step")
-    for tokens in (1, 8, 32, 64, 128, 256, 512):
+    for tokens in (1, 2, 4, 8, 16, 32, 64, 128, 256, 512):
         xs = [torch.randn(tokens, i) for _, i in shapes]
         t32 = median_seconds(lambda xs=xs: [f(x) for f, x in zip(fp32, xs, strict=True)], 10)
         t16 = median_seconds(lambda xs=xs: [f(x) for f, x in zip(bf16, xs, strict=True)], 10)
+        tq = median_seconds(lambda xs=xs: [f(x) for f, x in zip(blocks, xs, strict=True)], 10)
         print(
             f"{tokens:4d} tokens: fp32 {t32 * 1e6:8.0f} us  bf16 {t16 * 1e6:8.0f} us  "
-            f"bf16/fp32 {t16 / t32:.2f}"
+            f"Q4_1 blocks {tq * 1e6:8.0f} us  bf16/fp32 {t16 / t32:.2f}  "
+            f"blocks/best {tq / min(t16, t32):.2f}"
         )
 
 
@@ -196,11 +205,17 @@ def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
+    parser.add_argument("--crossover-only", action="store_true",
+                        help="only the matmul crossover (fp32, bf16, GGUF blocks)")
     parser.add_argument("--load", action="store_true", help="also time cold and warm loading")
     parser.add_argument("--baseline", action="store_true", help="also time transformers")
     args = parser.parse_args()
 
     torch.manual_seed(0)
+    if args.crossover_only:
+        with torch.inference_mode():
+            report_matmul_crossover()
+        return
     print(
         f"torch {torch.__version__}, {torch.get_num_threads()} threads, "
         f"native bf16: {native_bf16()}"

@@ -3,7 +3,8 @@
 * :func:`paged_attention`, the fixed-order paged attention (fixed_order_attention.cpp);
 * :func:`add_rms_norm`, :func:`rope_write` and :func:`silu_mul`, the fused element-wise work
   between a decoder layer's matmuls (layer_ops.cpp);
-* :class:`Bf16Linear`, a bf16 matmul with a float32 result (bf16_linear.cpp).
+* :class:`Bf16Linear`, a bf16 matmul with a float32 result (bf16_linear.cpp);
+* :class:`QuantLinear`, a float32 matmul reading its weight as GGUF blocks (quant_linear.cpp).
 
 Implementations: each kernel above (but the bf16 matmul, AVX512-BF16 only) has a portable path
 and, where this CPU has the instructions, AVX2 and AVX-512 paths computing the same bits
@@ -29,7 +30,7 @@ import torch
 
 SOURCES = [Path(__file__).parent / "csrc" / name
            for name in ("fixed_order_attention.cpp", "layer_ops.cpp", "bf16_linear.cpp",
-                        "bindings.cpp")]
+                        "quant_linear.cpp", "bindings.cpp")]
 PATH_ENV = "INHERENT_CPU_PATH"  # forces an implementation: avx512, avx2 or portable
 
 
@@ -154,3 +155,27 @@ class Bf16Linear:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         return _module().bf16_linear(x, self.packed, self.out_features)
+
+
+# ggml's numbers of the GGUF block types QuantLinear reads
+QUANT_TYPES = {"Q4_1": 3, "Q8_0": 8}
+
+
+class QuantLinear:
+    """``y = x @ W.T`` with W as GGUF blocks (``blocks`` [out, in / 32 * block bytes] uint8, the
+    tensor's rows as stored), dequantized in registers: float32 activations, accumulation and
+    result -- a float32 matmul on the dequantized weights, in one fixed order per output
+    (row-invariant by construction)."""
+
+    __slots__ = ("blocks", "in_features", "out_features", "qtype")
+
+    def __init__(self, blocks: torch.Tensor, qtype: str, in_features: int):
+        self.qtype = QUANT_TYPES[qtype]
+        self.blocks = blocks.contiguous()
+        self.out_features, self.in_features = blocks.shape[0], in_features
+        if blocks.shape[1] != in_features // 32 * _module().quant_block_bytes(self.qtype):
+            raise ValueError(f"{qtype} blocks of {blocks.shape[1]} bytes a row do not hold "
+                             f"{in_features} weights")
+
+    def __call__(self, x: torch.Tensor, *, path: str | None = None) -> torch.Tensor:
+        return _module().quant_linear(x.float(), self.blocks, self.qtype, _path(path))

@@ -2,7 +2,8 @@
 
 Both paths end in the same :class:`Checkpoint`: a :class:`ModelConfig`, float tensors under
 Hugging Face Llama names (Q/K in transformers' RoPE layout), a :class:`Tokenizer`, and the
-BLAKE3 ``weights_hash`` that receipts record.
+BLAKE3 ``weights_hash`` that receipts record. A GGUF's Q4_1 and Q8_0 matrices also come as
+their blocks, as stored (:class:`GGUFBlocks`), for the matmul kernel that reads them directly.
 
 GGUF: the first load parses the file, dequantizes every tensor (``gguf.quants.dequantize``: Q4_0,
 Q4_1, Q8_0, K-quants, F16, BF16, F32, ...), undoes llama.cpp's Q/K row permutation, builds the
@@ -25,7 +26,7 @@ import struct
 import tempfile
 from collections.abc import Iterable, Mapping
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -59,6 +60,22 @@ _SCALAR_FORMATS = {
 }
 
 
+# GGUF block types whose blocks the engine's matmul kernel reads (engine/csrc/quant_linear.cpp)
+BLOCK_TYPES = ("Q4_1", "Q8_0")
+
+
+@dataclass(frozen=True, slots=True)
+class GGUFBlocks:
+    """A matrix as its GGUF blocks: ``blocks`` [out_features, in_features / 32 * block bytes]
+    uint8, rows in the file's order. For Q and K that is llama.cpp's order (RoPE pairs side by
+    side), which is the model's own layout (engine/model.py); the dense Q/K in ``weights`` are
+    in transformers' order."""
+
+    qtype: str  # one of BLOCK_TYPES
+    blocks: torch.Tensor
+    in_features: int
+
+
 @dataclass(slots=True)
 class Checkpoint:
     config: ModelConfig
@@ -67,6 +84,8 @@ class Checkpoint:
     weights_hash: str  # BLAKE3 hex of the GGUF file, or of the safetensors files in name order
     model_id: str
     path: Path  # the GGUF file or the folder it was loaded from
+    # a GGUF's Q4_1/Q8_0 matrices as stored, under the same names (empty for other sources)
+    quantized: dict[str, GGUFBlocks] = field(default_factory=dict)
 
 
 # --- hashing ---------------------------------------------------------------------------------
@@ -297,7 +316,18 @@ def load_gguf(path: str | Path, *, cache_dir: str | Path | None = None) -> Check
         _convert_gguf(path, folder, weights_hash, model_id)
     checkpoint = load_hf_dir(folder, weights_hash=weights_hash, model_id=model_id)
     checkpoint.path = path
+    checkpoint.quantized = gguf_blocks(read_gguf(path))
     return checkpoint
+
+
+def gguf_blocks(gguf: GGUFFile) -> dict[str, GGUFBlocks]:
+    """The file's 2-D tensors of a block type in BLOCK_TYPES, copied out of the mapping."""
+    found = {}
+    for info in gguf.tensors:
+        if len(info.shape) == 2 and info.qtype.name in BLOCK_TYPES:
+            blocks = torch.from_numpy(gguf.raw(info).copy())
+            found[hf_name(info.name)] = GGUFBlocks(info.qtype.name, blocks, info.shape[1])
+    return found
 
 
 def _convert_gguf(path: Path, folder: Path, weights_hash: str, model_id: str) -> None:

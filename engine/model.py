@@ -11,7 +11,9 @@ so a layer is nine calls whatever the batch holds:
 The element-wise calls are fused C++ on CPU and torch ops elsewhere (engine/layer_ops.py).
 Matmuls: bf16 ones on CPUs with AVX512-BF16 run our C++ kernel (float32 results,
 cpu_kernels.Bf16Linear); the others go through oneDNN with pre-packed weights on CPU (see
-_Linear). Large freed blocks are kept in the heap (see keep_freed_memory). All measured, not
+_Linear). Given a GGUF's blocks (``quantized``), matmuls of few rows read those instead
+(cpu_kernels.QuantLinear: float32 arithmetic on the dequantized weights, a fraction of the bytes;
+see _BlockLinear). Large freed blocks are kept in the heap (see keep_freed_memory). All measured, not
 guessed: bench/model_step.py and the kernels' comments.
 
 RoPE pairs: Hugging Face rotates dimension i with i + head_dim/2. We reorder each head's Q and K
@@ -275,11 +277,43 @@ class _Linear:
         return F.linear(x, self.weight)
 
 
+# Most rows a matmul runs on the GGUF blocks before the dense kernel takes over: reading 0.6-1
+# byte a weight wins while the weights' bytes dominate, float32 FMAs lose to bf16 dot products
+# (or oneDNN's float32 GEMM) once arithmetic does (bench/model_step.py measures both).
+BLOCK_MAX_ROWS = 4
+
+
+class _BlockLinear:
+    """A matmul on a weight's GGUF blocks for up to ``max_rows`` rows, ``dense`` (bf16 kernel or
+    oneDNN) above; ``dense`` None: the blocks for every row count (batch-invariant mode: one
+    arithmetic whatever the batch)."""
+
+    __slots__ = ("blocks", "dense", "in_features", "max_rows", "out_features")
+
+    def __init__(self, blocks: cpu_kernels.QuantLinear, dense: Any, max_rows: int):
+        self.blocks, self.dense, self.max_rows = blocks, dense, max_rows
+        self.out_features, self.in_features = blocks.out_features, blocks.in_features
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.dense is None or x.shape[0] <= self.max_rows:
+            return self.blocks(x)
+        return self.dense(x)
+
+
+def _block_linear(parts: Sequence[Any]) -> cpu_kernels.QuantLinear | None:
+    """One QuantLinear over the rows of ``parts`` (loader.GGUFBlocks, concatenated as the fused
+    matrices are), or None when one is missing or their types differ."""
+    if any(p is None for p in parts) or len({(p.qtype, p.in_features) for p in parts}) != 1:
+        return None
+    blocks = torch.cat([p.blocks for p in parts]) if len(parts) > 1 else parts[0].blocks
+    return cpu_kernels.QuantLinear(blocks, parts[0].qtype, parts[0].in_features)
+
+
 @dataclass(slots=True)
 class _Layer:
     input_norm: torch.Tensor
     post_norm: torch.Tensor
-    # _Linear or cpu_kernels.Bf16Linear
+    # _Linear, cpu_kernels.Bf16Linear or _BlockLinear
     qkv: Any  # [(heads + 2 * kv_heads) * head_dim, hidden], q/k rows RoPE-interleaved
     o: Any  # [hidden, heads * head_dim]
     gate_up: Any  # [2 * intermediate, hidden]
@@ -298,8 +332,11 @@ class LlamaModel:
         device: torch.device | str = "cpu",
         matmul_dtype: torch.dtype | None = None,
         batch_invariant: bool = False,
+        quantized: Mapping[str, Any] | None = None,
     ):
-        """``weights`` uses Hugging Face Llama names (as :mod:`engine.loader` returns them)."""
+        """``weights`` uses Hugging Face Llama names (as :mod:`engine.loader` returns them);
+        ``quantized``, the same names' GGUF blocks (loader.GGUFBlocks, Checkpoint.quantized),
+        read by the matmuls of few rows (every row in batch-invariant mode) on CPU in float32."""
         if dtype not in (torch.float32, torch.bfloat16):
             raise ValueError(f"dtype must be float32 or bfloat16, not {dtype}")
         self.config = config
@@ -334,16 +371,31 @@ class LlamaModel:
                        and cpu_kernels.bf16_linear_supported())
         if bf16_kernel:
             self.lm_head = cpu_kernels.Bf16Linear(head)
-            head_itemsize = 2
+            head_bytes = head.numel() * 2
         else:
             self.lm_head = _Linear(head)
-            head_itemsize = head.element_size()
+            head_bytes = head.numel() * head.element_size()
+        # GGUF blocks where given, on CPU with the kernels, in a float32 model
+        quantized = (quantized or {}) if (self._kernels and dtype == torch.float32) else {}
+        block_formats: set[str] = set()
+
+        def with_blocks(dense: Any, names: Sequence[str]) -> Any:
+            linear = _block_linear([quantized.get(n) for n in names])
+            if linear is None:
+                return dense
+            block_formats.add(quantized[names[0]].qtype)
+            return _BlockLinear(linear, None if batch_invariant else dense, BLOCK_MAX_ROWS)
+
+        head_name = "model.embed_tokens.weight" if tied else "lm_head.weight"
+        self.lm_head = with_blocks(self.lm_head, [head_name])
+        if isinstance(self.lm_head, _BlockLinear):
+            head_bytes = self.lm_head.blocks.blocks.numel()
         self.num_parameters = self.embed.numel() + self.final_norm.numel()
         if not tied:
             self.num_parameters += self.embed.numel()
-        # What one batch-1 decode step reads: every weight once, matmuls in their dtype (the
-        # embedding row gathered is negligible unless it is also the LM head).
-        self.decode_weight_bytes = (head.numel() * head_itemsize
+        # What one batch-1 decode step reads: every weight once, matmuls in their dtype or as
+        # blocks (the embedding row gathered is negligible unless it is also the LM head).
+        self.decode_weight_bytes = (head_bytes
                                     + self.final_norm.numel() * self.final_norm.element_size())
         self.layers: list[_Layer] = []
         for i in range(c.num_layers):
@@ -360,9 +412,26 @@ class LlamaModel:
             self.num_parameters += sum(t.numel() for t in (*mats, *norms))
             self.decode_weight_bytes += sum(t.numel() for t in norms) * norms[0].element_size()
             self.decode_weight_bytes += sum(m.numel() for m in mats) * self.matmul_dtype.itemsize
-            linears = (cpu_kernels.Bf16Linear(m) if bf16_kernel
-                       else _Linear(m.to(self.matmul_dtype)) for m in mats)
+            linears = [cpu_kernels.Bf16Linear(m) if bf16_kernel
+                       else _Linear(m.to(self.matmul_dtype)) for m in mats]
+            names = ([p + f"self_attn.{w}_proj.weight" for w in "qkv"],
+                     [p + "self_attn.o_proj.weight"],
+                     [p + f"mlp.{w}_proj.weight" for w in ("gate", "up")],
+                     [p + "mlp.down_proj.weight"])
+            linears = [with_blocks(lin, n) for lin, n in zip(linears, names, strict=True)]
+            for lin, m in zip(linears, mats, strict=True):
+                if isinstance(lin, _BlockLinear):  # what a decode reads: the blocks
+                    self.decode_weight_bytes += (lin.blocks.blocks.numel()
+                                                 - m.numel() * self.matmul_dtype.itemsize)
             self.layers.append(_Layer(norms[0], norms[1], *linears))
+        # What the matmuls read: named in benchmark output and receipts' diagnostics
+        dense_format = str(self.matmul_dtype).removeprefix("torch.")
+        if block_formats:
+            self.weights_format = (f"gguf {'+'.join(sorted(block_formats))} blocks"
+                                   + ("" if batch_invariant else
+                                      f" up to {BLOCK_MAX_ROWS} rows, {dense_format} above"))
+        else:
+            self.weights_format = dense_format
 
         freq_factors = weights.get("rope_freqs")
         inv_freq = rope_inv_freq(c, freq_factors).to(self.device)

@@ -104,7 +104,8 @@ class ModelRunner:
         model = LlamaModel(checkpoint.config, checkpoint.weights, dtype=dtype,
                            device=config.device,
                            matmul_dtype=default_matmul_dtype(dtype, config.device),
-                           batch_invariant=config.batch_invariant)
+                           batch_invariant=config.batch_invariant,
+                           quantized=checkpoint.quantized)
         num_blocks = config.num_kv_blocks or config.kv_cache_bytes // kv_cache_bytes_per_block(
             checkpoint.config, config.block_size, kv_dtype)
         kv_cache = model.allocate_kv_cache(num_blocks, config.block_size, kv_dtype)

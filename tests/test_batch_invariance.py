@@ -47,10 +47,12 @@ class Runs:
 
     def __init__(self, checkpoint, batch_invariant: bool):
         self.checkpoint = checkpoint
-        # as the engine builds it: bf16 matmuls where the CPU has native bf16
+        # as the engine builds it: bf16 matmuls where the CPU has native bf16, the GGUF's
+        # blocks read directly by matmuls of few rows (by every matmul in the mode)
         self.model = LlamaModel(checkpoint.config, checkpoint.weights,
                                 matmul_dtype=default_matmul_dtype(torch.float32),
-                                batch_invariant=batch_invariant)
+                                batch_invariant=batch_invariant,
+                                quantized=checkpoint.quantized)
         self.kv_cache = self.model.allocate_kv_cache(
             self.NUM_BLOCKS, 16, default_kv_cache_dtype(None, torch.float32))
         self.batch_invariant = batch_invariant

@@ -320,3 +320,82 @@ def test_bf16_linear_rows_do_not_depend_on_the_batch():
     full = head(x)
     for rows in (1, 2, 5, 6, 7, 13, 69):
         assert torch.equal(head(x[:rows]), full[:rows])
+
+
+def gguf_blocks(qtype, out_features, in_features, seed):
+    """A random weight quantized to GGUF blocks, and its dequantization (gguf's own code)."""
+    from gguf import GGMLQuantizationType
+    from gguf.quants import dequantize, quantize
+
+    g = torch.Generator().manual_seed(seed)
+    kind = GGMLQuantizationType[qtype]
+    blocks = quantize(torch.randn(out_features, in_features, generator=g).numpy(), kind)
+    return torch.from_numpy(blocks), torch.from_numpy(dequantize(blocks, kind))
+
+
+@pytest.mark.parametrize("qtype", ["Q4_1", "Q8_0"])
+@pytest.mark.parametrize(("rows", "out_features", "in_features"),
+                         [(1, 40, 64), (3, 37, 96), (4, 16, 32), (9, 300, 576), (64, 70, 1536)])
+def test_quant_linear_is_a_float32_matmul_on_the_dequantized_weights(qtype, rows, out_features,
+                                                                     in_features):
+    blocks, weight = gguf_blocks(qtype, out_features, in_features, rows)
+    linear = kernel.QuantLinear(blocks, qtype, in_features)
+    x = torch.randn(rows, in_features, generator=torch.Generator().manual_seed(7))
+    expected = x.double() @ weight.double().T
+    for path in kernel.available_paths():
+        y = linear(x, path=path)
+        assert y.dtype == torch.float32 and y.shape == (rows, out_features)
+        # float32 rounding of the sum only: activations are not rounded to 8 bits (that alone
+        # would be errors of ~1e-2 here)
+        torch.testing.assert_close(y.double(), expected, rtol=0, atol=2e-6 * in_features**0.5)
+
+
+@pytest.mark.parametrize("path", VECTOR_PATHS)
+@pytest.mark.parametrize("qtype", ["Q4_1", "Q8_0"])
+def test_vectorized_quant_linear_computes_the_portable_bits(path, qtype):
+    require(path)
+    blocks, _ = gguf_blocks(qtype, 53, 576, 3)
+    linear = kernel.QuantLinear(blocks, qtype, 576)
+    x = torch.randn(11, 576, generator=torch.Generator().manual_seed(8)) * 3
+    for rows in (1, 2, 3, 4, 5, 11):
+        assert same_bits(linear(x[:rows], path=path), linear(x[:rows], path="portable"))
+
+
+def test_quant_linear_rows_do_not_depend_on_the_batch():
+    """Each output is one fixed chain whatever the row count: 1 to 257 rows, every path."""
+    blocks, _ = gguf_blocks("Q4_1", 45, 192, 4)
+    linear = kernel.QuantLinear(blocks, "Q4_1", 192)
+    x = torch.randn(257, 192, generator=torch.Generator().manual_seed(9))
+    full = linear(x)
+    for rows in range(1, 258):
+        assert torch.equal(linear(x[:rows]), full[:rows]), rows
+    for path in kernel.available_paths():  # and the same bits on every path
+        assert torch.equal(linear(x, path=path), full)
+
+
+def test_quant_linear_reads_the_bundled_gguf_blocks():
+    """The bundled model's own Q4_1 and Q8_0 tensors, as the loader hands them over."""
+    from engine.loader import read_gguf
+    from engine.model_files import BundledModelMissing, bundled_model_path
+
+    try:
+        gguf = read_gguf(bundled_model_path())
+    except BundledModelMissing as exc:
+        pytest.skip(str(exc))
+    infos = {t.name: t for t in gguf.tensors}
+    for name in ("blk.0.ffn_down.weight", "token_embd.weight"):
+        info = infos[name]
+        blocks = torch.from_numpy(gguf.raw(info).copy())[:300]
+        weight = gguf.dequantize(info)[:300]
+        x = torch.randn(2, weight.shape[1], generator=torch.Generator().manual_seed(10))
+        y = kernel.QuantLinear(blocks, info.qtype.name, weight.shape[1])(x)
+        torch.testing.assert_close(y.double(), x.double() @ weight.double().T, rtol=0,
+                                   atol=2e-6 * weight.shape[1] ** 0.5)
+
+
+def test_quant_linear_refuses_bad_input():
+    blocks, _ = gguf_blocks("Q4_1", 4, 64, 5)
+    with pytest.raises(ValueError, match="do not hold"):
+        kernel.QuantLinear(blocks, "Q4_1", 96)
+    with pytest.raises(RuntimeError, match="does not match the blocks"):
+        kernel.QuantLinear(blocks, "Q4_1", 64)(torch.randn(2, 96))

@@ -195,8 +195,25 @@ def test_kv_cache_layout():
 # --- the bundled model --------------------------------------------------------------------------
 
 
+@pytest.fixture(scope="module")
+def bundled_block_model(bundled_checkpoint):
+    """The bundled model with every matmul reading the GGUF's Q4_1/Q8_0 blocks (the
+    batch-invariant mode runs them at every row count; the default mode at few rows)."""
+    model = LlamaModel(bundled_checkpoint.config, bundled_checkpoint.weights,
+                       quantized=bundled_checkpoint.quantized, batch_invariant=True)
+    assert model.weights_format == "gguf Q4_1+Q8_0 blocks"
+    return model
+
+
+# the dense float32 model, and the one reading the GGUF blocks
+MODELS = ["bundled_model", "bundled_block_model"]
+
+
 @pytest.mark.slow
-def test_first_step_logits_match_transformers(bundled_checkpoint, bundled_model, hf_model):
+@pytest.mark.parametrize("model_name", MODELS)
+def test_first_step_logits_match_transformers(bundled_checkpoint, model_name, hf_model,
+                                              request):
+    bundled_model = request.getfixturevalue(model_name)
     tokenizer = bundled_checkpoint.tokenizer
     for prompt in CHAT_PROMPTS[:4]:
         ids = tokenizer.encode_chat(chat(prompt))
@@ -208,9 +225,12 @@ def test_first_step_logits_match_transformers(bundled_checkpoint, bundled_model,
 
 
 @pytest.mark.slow
-def test_greedy_continuations_match_transformers(bundled_checkpoint, bundled_model, hf_model):
+@pytest.mark.parametrize("model_name", MODELS)
+def test_greedy_continuations_match_transformers(bundled_checkpoint, model_name, hf_model,
+                                                 request):
     """20 chat prompts, 64 greedy tokens each, all generated together with chunked prefills that
     share steps with decodes; transformers generates them as one left-padded batch."""
+    bundled_model = request.getfixturevalue(model_name)
     tokenizer = bundled_checkpoint.tokenizer
     eos = tokenizer.eos_token_ids
     prompts = [tokenizer.encode_chat(chat(p)) for p in CHAT_PROMPTS]
@@ -296,3 +316,27 @@ def test_dense_matmul_path_matches_packed(tmp_path, monkeypatch):
         atol=1e-4,
         rtol=1e-4,
     )
+
+
+@pytest.mark.slow
+def test_gguf_blocks_are_the_dense_weights_in_the_models_layout(bundled_checkpoint,
+                                                                bundled_block_model):
+    """The loader's blocks, fused as the model fuses them, compute what the dense weights do:
+    Q and K rows in the model's RoPE layout (llama.cpp's, as stored), the tied head from the
+    Q8_0 embedding."""
+    from engine.model import _interleave_rope_rows
+
+    c, w = bundled_checkpoint.config, bundled_checkpoint.weights
+    p = "model.layers.3."
+    qkv = torch.cat([_interleave_rope_rows(w[p + "self_attn.q_proj.weight"], c.num_heads),
+                     _interleave_rope_rows(w[p + "self_attn.k_proj.weight"], c.num_kv_heads),
+                     w[p + "self_attn.v_proj.weight"]])
+    gate_up = torch.cat([w[p + "mlp.gate_proj.weight"], w[p + "mlp.up_proj.weight"]])
+    layer = bundled_block_model.layers[3]
+    x = torch.randn(3, c.hidden_size, generator=torch.Generator().manual_seed(0))
+    for linear, dense in ((layer.qkv, qkv), (layer.gate_up, gate_up),
+                          (bundled_block_model.lm_head, w["model.embed_tokens.weight"])):
+        torch.testing.assert_close(linear(x).double(), x.double() @ dense.double().T, rtol=0,
+                                   atol=1e-4)
+    assert bundled_checkpoint.quantized["model.embed_tokens.weight"].qtype == "Q8_0"
+    assert bundled_block_model.decode_weight_bytes < 110e6  # the blocks, not 270 MB of bf16

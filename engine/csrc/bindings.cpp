@@ -23,6 +23,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("cache"), py::arg("num_heads"), py::arg("path"));
   m.def("silu_mul", &silu_mul, "silu(gate) * up of a fused gate_up projection", py::arg("gate_up"),
         py::arg("path"));
+  m.def("quant_block_bytes", &quant_block_bytes, "bytes of a GGUF block type's block, 0 if unsupported",
+        py::arg("qtype"));
+  m.def("quant_linear", &quant_linear, "x @ W.T, W as GGUF blocks (Q4_1, Q8_0); float32 arithmetic",
+        py::arg("x"), py::arg("blocks"), py::arg("qtype"), py::arg("path"));
   m.attr("bf16_linear_supported") = bf16_linear_supported();
   m.def("pack_bf16_weight", &pack_bf16_weight, "pack [N, K] for bf16_linear", py::arg("weight"));
   m.def("bf16_linear", &bf16_linear, "x @ W.T: bf16 inputs, float32 accumulation and result",

@@ -111,26 +111,6 @@ inline __m512 load16(const uint16_t* p) {
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
 }
 
-// Lane j of the result is lanes_sum(v[j]), with the same additions: each stage adds lane l to
-// lane l + 8 (then + 4, + 2, + 1) of every vector, two vectors packed into one.
-inline __m512 sum16(const __m512* v) {
-  __m512 w[8], x[4], y[2];
-  for (int i = 0; i < 8; ++i)  // w[i] = halves of v[2i], v[2i+1]
-    w[i] = _mm512_add_ps(_mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], 0x44),
-                         _mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], 0xEE));
-  for (int i = 0; i < 4; ++i)  // x[i]: 128-bit chunk c holds the quarter of v[4i + c]
-    x[i] = _mm512_add_ps(_mm512_shuffle_f32x4(w[2 * i], w[2 * i + 1], 0x88),
-                         _mm512_shuffle_f32x4(w[2 * i], w[2 * i + 1], 0xDD));
-  for (int i = 0; i < 2; ++i)  // y[i], chunk c: pairs of v[8i + c] and v[8i + 4 + c]
-    y[i] = _mm512_add_ps(_mm512_shuffle_ps(x[2 * i], x[2 * i + 1], 0x44),
-                         _mm512_shuffle_ps(x[2 * i], x[2 * i + 1], 0xEE));
-  const __m512 r = _mm512_add_ps(_mm512_shuffle_ps(y[0], y[1], 0x88),
-                                 _mm512_shuffle_ps(y[0], y[1], 0xDD));
-  // lane 4c + m now holds v[4m + c]: transpose back to key order
-  const __m512i order = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
-  return _mm512_permutexvar_ps(order, r);
-}
-
 // Weighted sums of V for `kHeads` query heads (first..first + kHeads - 1) of one KV head,
 // accumulated in registers over every key.
 template <int kChunks, int kHeads, typename T>
@@ -180,7 +160,7 @@ void attend_avx512(const Token<T>& t, std::vector<float>& tile) {
           a = _mm512_fmadd_ps(qh[c], _mm512_loadu_ps(k + j * D + 16 * c), a);
         lanes[j] = a;
       }
-      _mm512_storeu_ps(t.scores + h * t.padded + first, _mm512_mul_ps(sum16(lanes), scale));
+      _mm512_storeu_ps(t.scores + h * t.padded + first, _mm512_mul_ps(Avx512::sum(lanes), scale));
     }
   }
   for (int64_t h = 0; h < t.heads; ++h) softmax(t.scores + h * t.padded, t.n);
@@ -205,22 +185,6 @@ void attend_avx512(const Token<T>& t, std::vector<float>& tile) {
 #if defined(INHERENT_AVX2)
 inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
 inline __m256 load8(const uint16_t* p) { return Avx2::load(p); }
-
-// Lane j of the result is lanes_sum of the 16 lanes whose first stage (lane l + lane l + 8) is
-// h[j], with the same additions: lane l + 4, then + 2, then + 1, for 8 vectors at once.
-inline __m256 sum8(const __m256* h) {
-  __m256 w[4], x[2];
-  for (int i = 0; i < 4; ++i)  // 128-bit half c of w[i]: quarter sums of h[2i + c]
-    w[i] = _mm256_add_ps(_mm256_permute2f128_ps(h[2 * i], h[2 * i + 1], 0x20),
-                         _mm256_permute2f128_ps(h[2 * i], h[2 * i + 1], 0x31));
-  for (int i = 0; i < 2; ++i)  // half c: pairs of h[4i + c] (lanes 0-1), h[4i + 2 + c] (2-3)
-    x[i] = _mm256_add_ps(_mm256_shuffle_ps(w[2 * i], w[2 * i + 1], 0x44),
-                         _mm256_shuffle_ps(w[2 * i], w[2 * i + 1], 0xEE));
-  const __m256 r = _mm256_add_ps(_mm256_shuffle_ps(x[0], x[1], 0x88),
-                                 _mm256_shuffle_ps(x[0], x[1], 0xDD));
-  // r holds h0 h2 h4 h6 | h1 h3 h5 h7: back to key order
-  return _mm256_permutevar8x32_ps(r, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
-}
 
 // Weighted sums of V for `kHeads` query heads (first..) over dimensions d0..d0 + 8 kChunks - 1.
 template <int kChunks, int kHeads, typename T>
@@ -270,7 +234,7 @@ void attend_avx2(const Token<T>& t, std::vector<float>& tile) {
         }
         halves[j] = _mm256_add_ps(lo, hi);
       }
-      _mm256_storeu_ps(t.scores + h * t.padded + first, _mm256_mul_ps(sum8(halves), scale));
+      _mm256_storeu_ps(t.scores + h * t.padded + first, _mm256_mul_ps(Avx2::sum(halves), scale));
     }
   }
   for (int64_t h = 0; h < t.heads; ++h) softmax(t.scores + h * t.padded, t.n);

@@ -84,6 +84,10 @@ torch::Tensor rope_write(torch::Tensor qkv, torch::Tensor cos_sin, torch::Tensor
                          const std::string& path);
 torch::Tensor silu_mul(torch::Tensor gate_up, const std::string& path);
 
+int64_t quant_block_bytes(int64_t qtype);
+torch::Tensor quant_linear(torch::Tensor x, torch::Tensor blocks, int64_t qtype,
+                           const std::string& path);
+
 bool bf16_linear_supported();
 torch::Tensor pack_bf16_weight(torch::Tensor w);
 torch::Tensor bf16_linear(torch::Tensor x, torch::Tensor packed, int64_t columns);

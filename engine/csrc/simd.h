@@ -71,6 +71,11 @@ inline Path resolve_path(const std::string& name) {
 // load/store of float32 and of bfloat16 (uint16_t bits; widening is exact, narrowing rounds to
 // nearest even with NaN -> 0x7FC0, as to_bf16), arithmetic, and exp_nonpositive with the
 // scalar version's exact operation sequence.
+//
+// Fixed-order sums: a 16-lane accumulator is kRegs registers (lanes 0..W-1 first). fold() does
+// lanes_sum's first stage (lane l + lane l + 8: nothing at W = 16, where a register holds all
+// 16), sum() the rest for W accumulators at once, lane j of its result being the total of
+// accumulator j, by lanes_sum's additions: one transposing tree instead of W horizontal sums.
 
 #if defined(INHERENT_AVX512)
 struct Avx512 {
@@ -120,6 +125,27 @@ struct Avx512 {
                                     INT32_MIN, 0, INT32_MIN, 0, INT32_MIN, 0, INT32_MIN);
     return _mm512_castsi512_ps(_mm512_xor_si512(_mm512_castps_si512(x), sign));
   }
+  static constexpr int kRegs = 1;
+  static F fold(const F* acc) { return acc[0]; }
+  // each stage adds lane l to lane l + 8 (then + 4, + 2, + 1) of every vector, two vectors
+  // packed into one
+  static F sum(const F* v) {
+    F w[8], x[4], y[2];
+    for (int i = 0; i < 8; ++i)  // w[i] = halves of v[2i], v[2i+1]
+      w[i] = _mm512_add_ps(_mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], 0x44),
+                           _mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], 0xEE));
+    for (int i = 0; i < 4; ++i)  // x[i]: 128-bit chunk c holds the quarter of v[4i + c]
+      x[i] = _mm512_add_ps(_mm512_shuffle_f32x4(w[2 * i], w[2 * i + 1], 0x88),
+                           _mm512_shuffle_f32x4(w[2 * i], w[2 * i + 1], 0xDD));
+    for (int i = 0; i < 2; ++i)  // y[i], chunk c: pairs of v[8i + c] and v[8i + 4 + c]
+      y[i] = _mm512_add_ps(_mm512_shuffle_ps(x[2 * i], x[2 * i + 1], 0x44),
+                           _mm512_shuffle_ps(x[2 * i], x[2 * i + 1], 0xEE));
+    const F r = _mm512_add_ps(_mm512_shuffle_ps(y[0], y[1], 0x88),
+                              _mm512_shuffle_ps(y[0], y[1], 0xDD));
+    // lane 4c + m now holds v[4m + c]: transpose back
+    const I order = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
+    return _mm512_permutexvar_ps(order, r);
+  }
 };
 #endif
 
@@ -167,6 +193,22 @@ struct Avx2 {
   static F negate_even(F x) {
     const I sign = _mm256_set_epi32(0, INT32_MIN, 0, INT32_MIN, 0, INT32_MIN, 0, INT32_MIN);
     return _mm256_castsi256_ps(_mm256_xor_si256(_mm256_castps_si256(x), sign));
+  }
+  static constexpr int kRegs = 2;
+  static F fold(const F* acc) { return _mm256_add_ps(acc[0], acc[1]); }
+  // lane l + 4, then + 2, then + 1 of 8 folded accumulators h at once
+  static F sum(const F* h) {
+    F w[4], x[2];
+    for (int i = 0; i < 4; ++i)  // 128-bit half c of w[i]: quarter sums of h[2i + c]
+      w[i] = _mm256_add_ps(_mm256_permute2f128_ps(h[2 * i], h[2 * i + 1], 0x20),
+                           _mm256_permute2f128_ps(h[2 * i], h[2 * i + 1], 0x31));
+    for (int i = 0; i < 2; ++i)  // half c: pairs of h[4i + c] (lanes 0-1), h[4i + 2 + c] (2-3)
+      x[i] = _mm256_add_ps(_mm256_shuffle_ps(w[2 * i], w[2 * i + 1], 0x44),
+                           _mm256_shuffle_ps(w[2 * i], w[2 * i + 1], 0xEE));
+    const F r = _mm256_add_ps(_mm256_shuffle_ps(x[0], x[1], 0x88),
+                              _mm256_shuffle_ps(x[0], x[1], 0xDD));
+    // r holds h0 h2 h4 h6 | h1 h3 h5 h7: back in order
+    return _mm256_permutevar8x32_ps(r, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
   }
 };
 #endif

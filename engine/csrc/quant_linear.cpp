@@ -1,0 +1,252 @@
+// y = x @ W.T with W stored as GGUF blocks (Q4_1, Q8_0) and read as stored: each block of 32
+// weights is dequantized in registers, exactly as gguf's dequantize does it, and multiplied with
+// float32 activations into float32 accumulators. Nothing is rounded but the products and sums
+// of a float32 matmul: unlike llama.cpp, which rounds activations to 8 bits, the result is that
+// of a float32 matmul on the dequantized weights.
+//
+// Why: a batch-1 decode reads every weight once, and the bundled model's Q4_1 blocks are 0.625
+// bytes a weight against 2 in bf16 and 4 in float32.
+//
+// The arithmetic, fixed once (every path computes exactly this, at any row count):
+//   w[k]    = d * q + m (Q4_1: 4-bit q, fp16 d and m) or d * q (Q8_0: int8 q) -- exact products,
+//             so one rounding, as gguf's float32 dequantization;
+//   y[r][n] = lanes_sum(lane), lane[l] = fma chain over k = l, l + 16, l + 32, ... (ascending)
+//             of x[r][k] * w[n][k], from 0.
+// An output depends on its own row of x and column of W only: row-invariant by construction
+// (batch-invariant mode needs no probe for it). Paths: portable, AVX2 and AVX-512 (simd.h),
+// bit-identical; tiles of several rows share each dequantized block, so prefill rows pay less
+// dequantization per weight than decode rows, without changing any output's arithmetic.
+#include "simd.h"
+
+#include <ATen/Parallel.h>
+#include <c10/util/Half.h>
+
+namespace {
+
+using namespace inherent;
+
+constexpr int64_t kBlock = 32;  // weights per GGUF block (both types)
+
+// ggml's type numbers and block sizes
+struct Q4_1 {
+  static constexpr int64_t kType = 3, kBytes = 20;  // fp16 d, fp16 m, 16 bytes: q[j] low nibble,
+};                                                    // q[j + 16] high nibble of byte j
+struct Q8_0 {
+  static constexpr int64_t kType = 8, kBytes = 34;  // fp16 d, 32 int8
+};
+
+inline uint16_t bits16(const uint8_t* p) {
+  uint16_t h;
+  std::memcpy(&h, p, sizeof h);
+  return h;
+}
+
+// ---- Portable implementation ----------------------------------------------------------------
+
+inline float half_at(const uint8_t* p) { return c10::detail::fp16_ieee_to_fp32_value(bits16(p)); }
+
+inline void dequant(Q4_1, const uint8_t* b, float* w) {
+  const float d = half_at(b), m = half_at(b + 2);
+  for (int j = 0; j < 16; ++j) {
+    w[j] = std::fma(d, static_cast<float>(b[4 + j] & 15), m);
+    w[j + 16] = std::fma(d, static_cast<float>(b[4 + j] >> 4), m);
+  }
+}
+
+inline void dequant(Q8_0, const uint8_t* b, float* w) {
+  const float d = half_at(b);
+  for (int j = 0; j < kBlock; ++j) w[j] = d * static_cast<float>(static_cast<int8_t>(b[2 + j]));
+}
+
+template <class Q>
+float dot_portable(const float* x, const uint8_t* blocks, int64_t num_blocks) {
+  float lane[kLanes] = {}, w[kBlock];
+  for (int64_t b = 0; b < num_blocks; ++b, x += kBlock) {
+    dequant(Q{}, blocks + b * Q::kBytes, w);
+    for (int l = 0; l < kLanes; ++l) lane[l] = std::fma(x[l], w[l], lane[l]);
+    for (int l = 0; l < kLanes; ++l) lane[l] = std::fma(x[kLanes + l], w[kLanes + l], lane[l]);
+  }
+  return lanes_sum(lane);
+}
+
+// ---- Vector implementation ------------------------------------------------------------------
+// A block as 2 kRegs registers: elements 0..15 (lanes of the first 16-lane group), then 16..31.
+
+#if defined(INHERENT_AVX512)
+inline void dequant(Avx512, Q4_1, const uint8_t* b, __m512* w) {
+  const __m512 d = _mm512_set1_ps(_cvtsh_ss(bits16(b))), m = _mm512_set1_ps(_cvtsh_ss(bits16(b + 2)));
+  const __m512i q = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 4)));
+  w[0] = _mm512_fmadd_ps(d, _mm512_cvtepi32_ps(_mm512_and_si512(q, _mm512_set1_epi32(15))), m);
+  w[1] = _mm512_fmadd_ps(d, _mm512_cvtepi32_ps(_mm512_srli_epi32(q, 4)), m);
+}
+
+inline void dequant(Avx512, Q8_0, const uint8_t* b, __m512* w) {
+  const __m512 d = _mm512_set1_ps(_cvtsh_ss(bits16(b)));
+  for (int i = 0; i < 2; ++i)
+    w[i] = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
+                                _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 2 + 16 * i)))));
+}
+#endif
+
+#if defined(INHERENT_AVX2)
+inline void dequant(Avx2, Q4_1, const uint8_t* b, __m256* w) {
+  const __m256 d = _mm256_set1_ps(_cvtsh_ss(bits16(b))), m = _mm256_set1_ps(_cvtsh_ss(bits16(b + 2)));
+  const __m256i nibble = _mm256_set1_epi32(15);
+  for (int i = 0; i < 2; ++i) {  // bytes 8i..8i + 7: elements 8i.. (low), 16 + 8i.. (high)
+    const __m256i q = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(b + 4 + 8 * i)));
+    w[i] = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(_mm256_and_si256(q, nibble)), m);
+    w[2 + i] = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(_mm256_srli_epi32(q, 4)), m);
+  }
+}
+
+inline void dequant(Avx2, Q8_0, const uint8_t* b, __m256* w) {
+  const __m256 d = _mm256_set1_ps(_cvtsh_ss(bits16(b)));
+  for (int i = 0; i < 4; ++i)
+    w[i] = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(
+                                _mm_loadl_epi64(reinterpret_cast<const __m128i*>(b + 2 + 8 * i)))));
+}
+#endif
+
+// R rows of x times C weight rows (outputs), every block dequantized once for the R rows.
+// Pointers past the real rows/outputs repeat the last one; their results are not stored.
+template <class V, class Q, int R, int C>
+void tile(const float* const* x, const uint8_t* const* w, int64_t num_blocks, float* const* out) {
+  using F = typename V::F;
+  constexpr int kRegs = V::kRegs;
+  F acc[R][C][kRegs];
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < C; ++c)
+      for (int i = 0; i < kRegs; ++i) acc[r][c][i] = V::zero();
+  for (int64_t b = 0; b < num_blocks; ++b) {
+    for (int c = 0; c < C; ++c) {
+      F wv[2 * kRegs];
+      dequant(V{}, Q{}, w[c] + b * Q::kBytes, wv);
+      for (int r = 0; r < R; ++r) {
+        const float* xb = x[r] + b * kBlock;
+        for (int i = 0; i < kRegs; ++i) acc[r][c][i] = V::fma(V::load(xb + V::W * i), wv[i], acc[r][c][i]);
+        for (int i = 0; i < kRegs; ++i)
+          acc[r][c][i] = V::fma(V::load(xb + kLanes + V::W * i), wv[kRegs + i], acc[r][c][i]);
+      }
+    }
+  }
+  // W accumulators per transposing sum
+  for (int first = 0; first < R * C; first += V::W) {
+    F folded[V::W];
+    for (int p = 0; p < V::W; ++p)
+      folded[p] = first + p < R * C ? V::fold(acc[(first + p) / C][(first + p) % C]) : V::zero();
+    alignas(64) float sums[V::W];
+    V::store(sums, V::sum(folded));
+    for (int p = 0; p < V::W && first + p < R * C; ++p)
+      if (out[first + p] != nullptr) *out[first + p] = sums[p];
+  }
+}
+
+// Tile shapes: several rows and few outputs where rows share dequantized blocks (R > 1), many
+// outputs for a lone row (its W accumulators fill one transposing sum).
+template <class V>
+struct Shapes {
+  static constexpr int kRows = V::W == 16 ? 4 : 2, kCols = V::W == 16 ? 4 : 2;
+  static constexpr int kLoneCols = V::W == 16 ? 16 : 4;
+};
+
+template <class V, class Q>
+void matmul_rows(const float* x, int64_t x_stride, int64_t rows, const uint8_t* w,
+                 int64_t w_stride, int64_t cols, int64_t num_blocks, float* out) {
+  using S = Shapes<V>;
+  const bool shared = rows >= S::kRows;
+  const int64_t C = shared ? S::kCols : S::kLoneCols, col_tiles = (cols + C - 1) / C;
+  // Threads split the outputs; each runs every row over its outputs' blocks (they stay in L1
+  // while the rows stream from L2).
+  at::parallel_for(0, col_tiles, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t ct = begin; ct < end; ++ct) {
+      const uint8_t* wp[S::kLoneCols];
+      for (int64_t c = 0; c < C; ++c) wp[c] = w + std::min(ct * C + c, cols - 1) * w_stride;
+      auto run = [&](auto rows_tag, auto cols_tag, int64_t r0) {
+        constexpr int TR = decltype(rows_tag)::value, TC = decltype(cols_tag)::value;
+        const float* xp[TR];
+        float* op[TR * TC];
+        for (int r = 0; r < TR; ++r) {
+          const int64_t row = std::min<int64_t>(r0 + r, rows - 1);
+          xp[r] = x + row * x_stride;
+          for (int c = 0; c < TC; ++c) {
+            const int64_t col = ct * TC + c;
+            op[r * TC + c] = r0 + r < rows && col < cols ? out + row * cols + col : nullptr;
+          }
+        }
+        tile<V, Q, TR, TC>(xp, wp, num_blocks, op);
+      };
+      int64_t r = 0;
+      if (shared) {
+        for (; r + S::kRows <= rows; r += S::kRows)
+          run(std::integral_constant<int, S::kRows>{}, std::integral_constant<int, S::kCols>{}, r);
+        for (; r < rows; ++r)
+          run(std::integral_constant<int, 1>{}, std::integral_constant<int, S::kCols>{}, r);
+      } else {
+        for (; r < rows; ++r)
+          run(std::integral_constant<int, 1>{}, std::integral_constant<int, S::kLoneCols>{}, r);
+      }
+    }
+  });
+}
+
+template <class Q>
+void matmul_rows_portable(const float* x, int64_t x_stride, int64_t rows, const uint8_t* w,
+                          int64_t w_stride, int64_t cols, int64_t num_blocks, float* out) {
+  at::parallel_for(0, cols, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t r = 0; r < rows; ++r)
+      for (int64_t n = begin; n < end; ++n)
+        out[r * cols + n] = dot_portable<Q>(x + r * x_stride, w + n * w_stride, num_blocks);
+  });
+}
+
+template <class Q>
+void matmul(Path path, const float* x, int64_t x_stride, int64_t rows, const uint8_t* w,
+            int64_t w_stride, int64_t cols, int64_t num_blocks, float* out) {
+  switch (path) {
+#if defined(INHERENT_AVX512)
+    case Path::kAvx512:
+      return matmul_rows<Avx512, Q>(x, x_stride, rows, w, w_stride, cols, num_blocks, out);
+#endif
+#if defined(INHERENT_AVX2)
+    case Path::kAvx2:
+      return matmul_rows<Avx2, Q>(x, x_stride, rows, w, w_stride, cols, num_blocks, out);
+#endif
+    default:
+      return matmul_rows_portable<Q>(x, x_stride, rows, w, w_stride, cols, num_blocks, out);
+  }
+}
+
+}  // namespace
+
+int64_t quant_block_bytes(int64_t qtype) {
+  if (qtype == Q4_1::kType) return Q4_1::kBytes;
+  if (qtype == Q8_0::kType) return Q8_0::kBytes;
+  return 0;
+}
+
+// x: [M, K] float32, rows contiguous; blocks: [N, K / 32 * block bytes] uint8, the GGUF tensor's
+// rows as stored; qtype: ggml's number (3 Q4_1, 8 Q8_0). Returns [M, N] float32.
+torch::Tensor quant_linear(torch::Tensor x, torch::Tensor blocks, int64_t qtype,
+                           const std::string& path_name) {
+  const Path path = resolve_path(path_name);
+  const int64_t block_bytes = quant_block_bytes(qtype);
+  TORCH_CHECK(block_bytes > 0, "GGUF block type ", qtype, " is not supported (Q4_1, Q8_0)");
+  TORCH_CHECK(x.scalar_type() == torch::kFloat32 && x.dim() == 2 && x.stride(1) == 1 &&
+              x.device().is_cpu(), "x must be a 2-D float32 CPU tensor with contiguous rows");
+  TORCH_CHECK(blocks.scalar_type() == torch::kUInt8 && blocks.dim() == 2 &&
+              blocks.is_contiguous() && blocks.device().is_cpu(),
+              "blocks must be a contiguous 2-D uint8 CPU tensor");
+  const int64_t rows = x.size(0), k = x.size(1), cols = blocks.size(0);
+  TORCH_CHECK(k % kBlock == 0 && blocks.size(1) == k / kBlock * block_bytes,
+              "x's width does not match the blocks (", k, " columns, ", blocks.size(1),
+              " bytes a row)");
+  auto out = torch::empty({rows, cols}, x.options());
+  if (rows == 0 || cols == 0) return out;
+  const float* xp = x.data_ptr<float>();
+  const uint8_t* wp = blocks.data_ptr<uint8_t>();
+  if (qtype == Q4_1::kType)
+    matmul<Q4_1>(path, xp, x.stride(0), rows, wp, blocks.size(1), cols, k / kBlock, out.data_ptr<float>());
+  else
+    matmul<Q8_0>(path, xp, x.stride(0), rows, wp, blocks.size(1), cols, k / kBlock, out.data_ptr<float>());
+  return out;
+}
