@@ -24,6 +24,12 @@ def chain_hash(parent: bytes, token_ids: list[int]) -> bytes:
     return blake2b(parent + array("q", token_ids).tobytes(), digest_size=16).digest()
 
 
+def root_hash(cache_salt: str) -> bytes:
+    """The chain's start: requests with different salts never share a cached block, so one
+    tenant cannot learn from hits (cached-token counts, time to first token) what another sent."""
+    return blake2b(cache_salt.encode(), digest_size=16).digest() if cache_salt else ROOT_HASH
+
+
 @dataclass(slots=True)
 class Block:
     block_id: int
@@ -59,7 +65,7 @@ class BlockManager:
         bs = self.block_size
         tokens = seq.token_ids
         for i in range(len(hashes), num_blocks):
-            parent = hashes[i - 1] if i else ROOT_HASH
+            parent = hashes[i - 1] if i else root_hash(seq.params.cache_salt)
             hashes.append(chain_hash(parent, tokens[i * bs : (i + 1) * bs]))
         return hashes
 

@@ -19,6 +19,7 @@ from engine.block_manager import BlockManager
 from engine.config import EngineConfig
 from engine.metrics import EngineMetrics
 from engine.model_runner import ModelRunner
+from engine.sampler import SAMPLING_FAILED
 from engine.sampling import InvalidRequest, SamplingParams
 from engine.scheduler import ScheduledBatch, Scheduler
 from engine.sequence import Sequence, SequenceStatus
@@ -39,6 +40,7 @@ class RequestOutput:
     num_prompt_tokens: int
     num_output_tokens: int  # so far
     metrics: dict | None = None  # the request's timeline summary, on the final output
+    error: str | None = None  # why a request ended by failure (finish_reason "abort")
 
 
 class LLMEngine:
@@ -108,6 +110,8 @@ class LLMEngine:
         vocab = self.model_runner.vocab_size
         if vocab is not None and not 0 <= min(token_ids) <= max(token_ids) < vocab:
             raise InvalidRequest(f"prompt token ids must be in [0, {vocab})")
+        if vocab is not None and params.top_k > vocab:
+            raise InvalidRequest(f"top_k must be at most the vocabulary size, {vocab}")
         if len(token_ids) >= self.config.max_model_len:
             raise InvalidRequest(
                 f"the prompt has {len(token_ids)} tokens; the context window is "
@@ -206,6 +210,11 @@ class LLMEngine:
         return outputs
 
     def _check_and_emit(self, seq: Sequence, token: int) -> RequestOutput:
+        if token == SAMPLING_FAILED:
+            seq.token_ids.pop()
+            seq.error = "sampling failed"
+            self.scheduler.finish(seq, "abort")
+            return self._finish_output(seq)
         params = seq.params
         reason = None
         is_eos = token in self.eos_token_ids
@@ -263,7 +272,7 @@ class LLMEngine:
         new_tokens = seq.output_token_ids[seq.num_sent_tokens :]
         seq.num_sent_tokens = seq.num_output_tokens
         return RequestOutput(seq.request_id, text, new_tokens, True, seq.finish_reason,
-                             seq.num_prompt_tokens, seq.num_output_tokens, summary)
+                             seq.num_prompt_tokens, seq.num_output_tokens, summary, seq.error)
 
     def _observe_step(self, outputs: list[RequestOutput]) -> None:
         bm = self.block_manager

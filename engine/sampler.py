@@ -7,13 +7,21 @@ tokens depend on its own logits and seed only, never on what else is in the batc
 many times it was preempted.
 """
 
+import logging
+
 import torch
 
 from engine.sampling import SamplingParams
 
+log = logging.getLogger("inherent.engine")
+
 
 def row_seed(seed: int, output_index: int) -> int:
     return hash((seed, output_index))  # deterministic for ints, whatever PYTHONHASHSEED says
+
+
+# The token of a row whose sampling raised: the engine ends that request with an error.
+SAMPLING_FAILED = -1
 
 
 class Sampler:
@@ -24,7 +32,27 @@ class Sampler:
         self, logits: torch.Tensor, params: list[SamplingParams], seeds: list[int],
         output_indices: list[int],
     ) -> list[int]:
-        """`logits` [B, vocab]; one params / seed / output index per row."""
+        """`logits` [B, vocab]; one params / seed / output index per row. If the batch fails,
+        each row is sampled alone (rows are independent, so the tokens are the same), and a row
+        that still fails gets SAMPLING_FAILED: one request's failure never ends the others."""
+        try:
+            return self.sample(logits, params, seeds, output_indices)
+        except Exception:
+            log.exception("sampling failed for the batch; sampling its rows one by one")
+        tokens = []
+        for i in range(len(params)):
+            try:
+                tokens += self.sample(logits[i : i + 1], params[i : i + 1], seeds[i : i + 1],
+                                      output_indices[i : i + 1])
+            except Exception:
+                log.exception("sampling failed for one request")
+                tokens.append(SAMPLING_FAILED)
+        return tokens
+
+    def sample(
+        self, logits: torch.Tensor, params: list[SamplingParams], seeds: list[int],
+        output_indices: list[int],
+    ) -> list[int]:
         logits = logits.float()
         # numpy's argmax is vectorized; torch's CPU argmax reduction is ~20x slower here.
         tokens = logits.cpu().numpy().argmax(axis=1).tolist()  # the greedy rows keep theirs

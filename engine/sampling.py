@@ -17,6 +17,9 @@ class SamplingParams:
     stop: list[str] = field(default_factory=list)  # text-level; trimmed from the output
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
+    # Prefix-cache namespace (vLLM's cache_salt): cached KV is shared only between requests with
+    # the same salt. The gateway salts by tenant. It never changes what is computed.
+    cache_salt: str = ""
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):

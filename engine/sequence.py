@@ -34,6 +34,7 @@ class Sequence:
     num_sent_chars: int = 0  # how much of output_text was already streamed
     num_sent_tokens: int = 0  # how many output tokens were already streamed
     prefill_steps_seen: int = 0  # the engine's count of steps with prefill work, at last token
+    error: str | None = None  # set when this request alone failed (its sampling raised)
 
     def __post_init__(self) -> None:
         if not self.num_prompt_tokens:

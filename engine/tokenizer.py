@@ -9,6 +9,8 @@ cached beside its dequantized weights.
 from __future__ import annotations
 
 import json
+import re
+import secrets
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime
@@ -194,6 +196,10 @@ class Detokenizer:
         return self._stream.step(self._backend, token_id) or ""
 
 
+class UnsafeContent(ValueError):
+    """Message content that holds control-token text under a template that rewrites content."""
+
+
 @dataclass(frozen=True, slots=True)
 class SpecialTokens:
     bos_token: str | None
@@ -210,6 +216,11 @@ class Tokenizer:
         self.backend = backend
         self.chat_template = chat_template
         self.special = special
+        # The strings that encode as one control token ("<|im_start|>", "<|endoftext|>", ...).
+        self._control_strings = tuple(
+            t.content for t in backend.get_added_tokens_decoder().values() if t.content
+        )
+        self._plain_backend: BackendTokenizer | None = None
 
     # construction -------------------------------------------------------------------------------
 
@@ -325,8 +336,72 @@ class Tokenizer:
         add_generation_prompt: bool = True,
         **kwargs: Any,
     ) -> list[int]:
-        """Prompt ids for a chat. The template writes its own special tokens, so none are added."""
+        """Prompt ids for a chat (see ``render_chat``)."""
+        return self.render_chat(messages, add_generation_prompt=add_generation_prompt, **kwargs)[1]
+
+    def render_chat(
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        *,
+        add_generation_prompt: bool = True,
+        **kwargs: Any,
+    ) -> tuple[str, list[int]]:
+        """The chat's prompt text and ids. Only the template's own markup becomes control
+        tokens; message content is always text, so a message that types "<|im_start|>system"
+        gets those characters, not a new turn (role injection). The template writes its own
+        special tokens, so none are added."""
         text = self.apply_chat_template(
             messages, add_generation_prompt=add_generation_prompt, **kwargs
         )
-        return self.encode(text, add_special_tokens=False)
+        contents = [m.get("content") for m in messages]
+        if not any(
+            isinstance(c, str) and any(s in c for s in self._control_strings) for c in contents
+        ):
+            return text, self.encode(text, add_special_tokens=False)
+        return text, self._encode_with_plain_contents(
+            messages, text, add_generation_prompt, **kwargs
+        )
+
+    def _encode_with_plain_contents(
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        text: str,
+        add_generation_prompt: bool,
+        **kwargs: Any,
+    ) -> list[int]:
+        """Render again with a unique marker in place of each content, encode the markup
+        around the markers as usual and each content with special tokens off."""
+        nonce = secrets.token_hex(8)
+        markers = [f"\ue000{nonce}:{i}\ue001" for i in range(len(messages))]
+        marked = self.apply_chat_template(
+            [{**m, "content": markers[i]} for i, m in enumerate(messages)],
+            add_generation_prompt=add_generation_prompt,
+            **kwargs,
+        )
+        parts = re.split(f"\ue000{nonce}:(\\d+)\ue001", marked)
+        ids: list[int] = []
+        rebuilt = []
+        for position, part in enumerate(parts):
+            if position % 2 == 0:
+                ids += self.encode(part, add_special_tokens=False) if part else []
+                rebuilt.append(part)
+            else:
+                content = messages[int(part)]["content"]
+                ids += self._plain().encode(content, add_special_tokens=False).ids
+                rebuilt.append(content)
+        # A template that transforms content (trims it, say) cannot be split safely: refuse
+        # rather than let control strings in content through as tokens.
+        if "".join(rebuilt) != text:
+            raise UnsafeContent(
+                "this chat template changes message content, so content holding control "
+                "tokens cannot be kept as text; remove the control tokens"
+            )
+        return ids
+
+    def _plain(self) -> BackendTokenizer:
+        """A copy of the backend that encodes special tokens' text as ordinary text."""
+        if self._plain_backend is None:
+            plain = BackendTokenizer.from_str(self.backend.to_str())
+            plain.encode_special_tokens = True
+            self._plain_backend = plain
+        return self._plain_backend

@@ -10,7 +10,10 @@ from prometheus_client import CollectorRegistry, Counter, Histogram
 
 from gateway.drain import Drain, DrainMiddleware
 from gateway.errors import install_error_handlers
+from gateway.guard import RequestGuard
+from gateway.quotas import quotas_for
 from gateway.routes import admin, chat, health, receipts, review
+from gateway.schemas import ERROR_RESPONSES
 from gateway.services import Services
 from ingest import jobs
 from provenance.migrate import ready_schema
@@ -46,17 +49,34 @@ def create_app(
         finally:
             await app.state.services.stop()
 
-    app = FastAPI(title="Inherent", version="0.1.0", lifespan=lifespan)
+    docs = settings.api_docs
+    app = FastAPI(
+        title="Inherent",
+        version="0.1.0",
+        lifespan=lifespan,
+        docs_url="/docs" if docs else None,
+        redoc_url="/redoc" if docs else None,
+        openapi_url="/openapi.json" if docs else None,
+    )
     app.state.settings = settings
     app.state.registry = registry
     app.state.drain = Drain(settings.shutdown_grace_s)
     app.add_middleware(DrainMiddleware, drain=app.state.drain)
+    app.state.quotas = quotas_for(
+        settings.tenant_max_concurrent_requests,
+        settings.tenant_requests_per_minute,
+        settings.redis_url,
+    )
     install_error_handlers(app)
+    app.add_middleware(RequestGuard, settings=settings)
     install_http_metrics(app, registry)
     for module in (chat, receipts, admin, health):
-        app.include_router(module.router)
+        app.include_router(module.router, responses=ERROR_RESPONSES)
     app.mount("/review", review.console_app(), name="review")
     return app
+
+
+HTTP_METHODS = frozenset({"GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS"})
 
 
 def install_http_metrics(app: FastAPI, registry: CollectorRegistry) -> None:
@@ -79,6 +99,8 @@ def install_http_metrics(app: FastAPI, registry: CollectorRegistry) -> None:
         response = await call_next(request)
         route = request.scope.get("route")
         path = getattr(route, "path", "unmatched")
-        requests.labels(request.method, path, str(response.status_code)).inc()
-        latency.labels(request.method, path).observe(time.perf_counter() - start)
+        # Label values come from a fixed set: a client must not mint series with odd methods.
+        method = request.method if request.method in HTTP_METHODS else "other"
+        requests.labels(method, path, str(response.status_code)).inc()
+        latency.labels(method, path).observe(time.perf_counter() - start)
         return response

@@ -134,7 +134,9 @@ async def call(client: httpx.AsyncClient, method: str, path: str, **kwargs) -> d
 
 
 async def ingest(client: httpx.AsyncClient, console: Console, corpus: Path, label: str) -> None:
-    job = await call(client, "POST", "/admin/ingest", json={"paths": [str(corpus)]})
+    # Uploaded as a tenant would: the API does not read server paths (SECURITY.md).
+    files = [("files", (f.name, f.read_bytes())) for f in sorted(corpus.iterdir()) if f.is_file()]
+    job = await call(client, "POST", "/admin/ingest", files=files)
     columns = (
         SpinnerColumn(),
         TextColumn("{task.description}"),

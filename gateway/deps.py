@@ -3,7 +3,8 @@
 from collections.abc import Callable, Iterator
 from typing import Annotated
 
-from fastapi import Depends, Header, Request
+from fastapi import Depends, Request
+from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from sqlalchemy.orm import Session
 
 from gateway.auth import Principal, authenticate, require
@@ -26,19 +27,27 @@ def get_session(services: ServicesDep) -> Iterator[Session]:
 SessionDep = Annotated[Session, Depends(get_session)]
 
 
-def bearer_secret(authorization: Annotated[str | None, Header()] = None) -> str | None:
-    if not authorization:
-        return None
-    scheme, _, secret = authorization.partition(" ")
-    return secret.strip() if scheme.lower() == "bearer" else None
+# Declared as a security scheme, so the OpenAPI document says how to authenticate.
+api_key_scheme = HTTPBearer(auto_error=False, description="An Inherent API key (ink_...).")
+
+
+def bearer_secret(
+    credentials: Annotated[HTTPAuthorizationCredentials | None, Depends(api_key_scheme)] = None,
+) -> str | None:
+    return credentials.credentials.strip() if credentials else None
 
 
 def require_scope(scope: str) -> Callable[..., Principal]:
     def dependency(
-        services: ServicesDep, secret: Annotated[str | None, Depends(bearer_secret)]
+        request: Request,
+        services: ServicesDep,
+        secret: Annotated[str | None, Depends(bearer_secret)],
     ) -> Principal:
-        with session_scope(services.settings.sqlalchemy_url) as session:
-            principal = authenticate(session, secret)
+        # The request guard (gateway/guard.py) already checked the key before the body.
+        principal = getattr(request.state, "principal", None)
+        if principal is None:
+            with session_scope(services.settings.sqlalchemy_url) as session:
+                principal = authenticate(session, secret)
         return require(principal, scope)
 
     return dependency

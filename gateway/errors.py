@@ -1,6 +1,7 @@
 """Every failure leaves the API as one OpenAI-style body: {"error": {message, type, param, code}}."""
 
 import logging
+import secrets
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -52,16 +53,30 @@ def not_found(what: str) -> APIError:
     return APIError(404, f"{what} not found", code="not_found")
 
 
+def auth_error(exc: AuthError) -> APIError:
+    kind = "authentication_error" if exc.status == 401 else "permission_error"
+    code = "invalid_api_key" if exc.status == 401 else "insufficient_scope"
+    return APIError(exc.status, str(exc), type=kind, code=code)
+
+
+def internal_error(what: str, exc: BaseException | None = None) -> APIError:
+    """A 500 whose details go to the server log under a reference, never to the client: an
+    exception's text can hold SQL, paths or another request's prompt."""
+    reference = secrets.token_hex(6)
+    log.error("%s (reference %s)", what, reference, exc_info=exc)
+    return APIError(
+        500, f"{what}; reference {reference}", type="server_error", code="internal_error"
+    )
+
+
 def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(APIError)
     async def api_error(_: Request, exc: APIError) -> JSONResponse:
         return exc.response()
 
     @app.exception_handler(AuthError)
-    async def auth_error(_: Request, exc: AuthError) -> JSONResponse:
-        kind = "authentication_error" if exc.status == 401 else "permission_error"
-        code = "invalid_api_key" if exc.status == 401 else "insufficient_scope"
-        return APIError(exc.status, str(exc), type=kind, code=code).response()
+    async def auth_failure(_: Request, exc: AuthError) -> JSONResponse:
+        return auth_error(exc).response()
 
     @app.exception_handler(RequestValidationError)
     async def validation_error(_: Request, exc: RequestValidationError) -> JSONResponse:
@@ -84,10 +99,7 @@ def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(DBAPIError)
     async def database_error(_: Request, exc: DBAPIError) -> JSONResponse:
         if not is_transient(exc):
-            log.error("database error", exc_info=exc)
-            return APIError(
-                500, "internal error; the failure was logged", type="server_error"
-            ).response()
+            return internal_error("database error", exc).response()
         # Down or restarting: nothing was generated, so nothing is lost; the client retries.
         return APIError(
             503,
@@ -98,7 +110,5 @@ def install_error_handlers(app: FastAPI) -> None:
         ).response()
 
     @app.exception_handler(Exception)
-    async def unexpected(_: Request, exc: Exception) -> JSONResponse:
-        return APIError(
-            500, "internal error; the failure was logged", type="server_error"
-        ).response()
+    async def unexpected(request: Request, exc: Exception) -> JSONResponse:
+        return internal_error(f"internal error in {request.url.path}", exc).response()

@@ -84,9 +84,7 @@ class Services:
         return len(self.tokenizer.encode(text))
 
     def render(self, messages: list[dict[str, str]]) -> tuple[str, list[int]]:
-        text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
-        # The template already placed any BOS; encoding must not add a second one.
-        return text, self.tokenizer.encode(text, add_special_tokens=False)
+        return self.tokenizer.render_chat(messages, add_generation_prompt=True)
 
     def prepare(
         self,

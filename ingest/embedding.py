@@ -185,15 +185,18 @@ def embed_with_cache(
     texts_by_hash: Mapping[str, str],
     on_embedded: Callable[[int], None] | None = None,
     batch_size: int = 256,
+    tenant_id: str | None = None,
 ) -> CachedEmbeddings:
     """Vectors for every chunk hash: read from the cache, embed only the rest and store them.
 
     Stored vectors are committed as they are made, before any epoch uses them: a vector is a
     pure function of (text, model), so a crashed ingestion still leaves useful cache rows.
+    With ``tenant_id``, only the tenant's own chunks count as cached: a reuse count (or a
+    faster job) must not tell a tenant that another tenant holds the same text.
     """
     hashes = sorted(texts_by_hash)
     with sessions() as session:
-        vectors = cached_vectors(session, embedder.model_id, hashes)
+        vectors = cached_vectors(session, embedder.model_id, hashes, tenant_id)
     reused = len(vectors)
     missing = [h for h in hashes if h not in vectors]
     for start in range(0, len(missing), batch_size):

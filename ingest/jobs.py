@@ -31,10 +31,11 @@ from sqlalchemy import select
 
 from ingest.chunking import Chunker
 from ingest.embedding import TransformersEmbedder, load_embedder
-from ingest.loaders import Limits, load_paths
+from ingest.loaders import Limits, LoadResult, load_bytes, load_paths
 from ingest.pipeline import Cleanup, IndexProgress, chunker_for, index_sources
-from provenance import truth
+from provenance import truth, uploads
 from provenance.db import get_sessionmaker, session_scope
+from provenance.hashing import blake3_hex
 from provenance.migrate import migrates_on_start, prepare_schema
 from provenance.models import IngestionJob
 from provenance.settings import Settings
@@ -158,17 +159,48 @@ def submit_ingestion(
     in a background thread, or before returning when ``wait`` is true. With Celery, ``wait``
     polls the job row until the job finishes.
     """
+    request = {"paths": [str(Path(p).resolve()) for p in paths]}
+    return _submit(settings, tenant_id, request, [], cleanup, prefix, batch_size, wait)
+
+
+def submit_upload_ingestion(
+    settings: Settings,
+    tenant_id: str,
+    files: Sequence[tuple[str, bytes]],
+    cleanup: Cleanup = None,
+    *,
+    prefix: str = "",
+    batch_size: int = DEFAULT_BATCH_SIZE,
+    wait: bool = False,
+) -> str:
+    """Queue an ingestion of uploaded files, each ``(name, bytes)``; the source id is
+    ``prefix + name``. The bytes are stored with the job, in one transaction, in the database:
+    any worker can run it, and no file on this machine is involved."""
+    uploads = [{"name": name, "blake3": blake3_hex(data), "size": len(data)} for name, data in files]
+    request = {"uploads": uploads}
+    return _submit(
+        settings, tenant_id, request, [data for _, data in files], cleanup, prefix, batch_size, wait
+    )
+
+
+def _submit(
+    settings: Settings,
+    tenant_id: str,
+    request: dict[str, Any],
+    blobs: Sequence[bytes],
+    cleanup: Cleanup,
+    prefix: str,
+    batch_size: int,
+    wait: bool,
+) -> str:
     if cleanup not in (None, "full"):
         raise ValueError(f"cleanup must be None or 'full', not {cleanup!r}")
     job_id = uuid.uuid4().hex
-    request = {
-        "paths": [str(Path(p).resolve()) for p in paths],
-        "cleanup": cleanup,
-        "prefix": prefix,
-        "batch_size": batch_size,
-    }
+    request = {**request, "cleanup": cleanup, "prefix": prefix, "batch_size": batch_size}
     with session_scope(_url(settings)) as session:
         truth.ensure_tenant(session, tenant_id)
+        for data in blobs:
+            uploads.store(session, tenant_id, data)
         session.add(IngestionJob(id=job_id, tenant_id=tenant_id, state="queued", request=request))
     _dispatch(settings, job_id, wait)
     return job_id
@@ -330,11 +362,7 @@ def run_ingestion_job(settings: Settings, job_id: str) -> JobStatus:
     )
     try:
         rt = runtime(settings)
-        loaded = load_paths(
-            request["paths"],
-            limits=Limits.of(settings),
-            prefix=request.get("prefix", ""),
-        )
+        loaded = _load(settings, tenant_id, request)
 
         def progress(p: IndexProgress) -> None:
             _update_job(
@@ -375,7 +403,36 @@ def run_ingestion_job(settings: Settings, job_id: str) -> JobStatus:
         "epochs": result.epochs,
         "sweep": asdict(swept),
     }
-    return _update_job(settings, job_id, state="succeeded", errors=result.errors, summary=summary)
+    status = _update_job(
+        settings, job_id, state="succeeded", errors=result.errors, summary=summary
+    )
+    if "uploads" in request:
+        with session_scope(_url(settings)) as session:
+            uploads.release(
+                session, tenant_id, [u["blake3"] for u in request["uploads"]], job_id
+            )
+    return status
+
+
+def _load(settings: Settings, tenant_id: str, request: dict[str, Any]) -> LoadResult:
+    prefix, limits = request.get("prefix", ""), Limits.of(settings)
+    if "uploads" not in request:
+        return load_paths(request["paths"], limits=limits, prefix=prefix)
+    loaded = LoadResult()
+    with session_scope(_url(settings)) as session:
+        for upload in request["uploads"]:
+            data = uploads.read(session, tenant_id, upload["blake3"])
+            loaded.extend(
+                load_bytes(
+                    upload["name"],
+                    data,
+                    prefix + upload["name"],
+                    f"upload:{upload['name']}",
+                    limits=limits,
+                    id_prefix=prefix,
+                )
+            )
+    return loaded
 
 
 def note_retry(

@@ -214,7 +214,7 @@ def _index_batch(
     if not drafts:
         return
     texts = {c.chunk_hash: c.text for d in drafts for c in d.chunks}
-    cached = embed_with_cache(sessions, embedder, texts)
+    cached = embed_with_cache(sessions, embedder, texts, tenant_id=tenant_id)
     result.chunks_embedded += cached.embedded
     result.chunks_skipped += sum(len(d.chunks) for d in drafts) - cached.embedded
     # commit re-checks under the writers' lock: a source another writer just made identical

@@ -152,6 +152,18 @@ class Embedding(Base):
     vector: Mapped[bytes] = mapped_column(LargeBinary)
 
 
+class Upload(Base):
+    """Bytes a tenant uploaded for ingestion, content-addressed, until their job succeeds. They
+    live in the database, not on one replica's disk, so any worker can read them."""
+
+    __tablename__ = "uploads"
+    tenant_id: Mapped[str] = mapped_column(ForeignKey("tenants.id"), primary_key=True)
+    blake3: Mapped[str] = mapped_column(String(64), primary_key=True)
+    size: Mapped[int] = mapped_column(BigInteger)
+    data: Mapped[bytes] = mapped_column(LargeBinary)
+    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+
+
 class IngestionJob(Base):
     __tablename__ = "ingestion_jobs"
     id: Mapped[str] = mapped_column(String(32), primary_key=True)

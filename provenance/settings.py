@@ -109,6 +109,22 @@ class Settings(BaseSettings):
     # Seconds between catch-ups of a process's embedded vector index with the truth layer.
     index_sync_interval_s: float = Field(1.0, gt=0)
 
+    # Limits on what one request may ask (SECURITY.md). Bodies over a limit get 413 before
+    # they are read; an unknown key gets 401 before any body is read.
+    max_json_body_bytes: int = Field(1024 * 1024, gt=0)
+    max_upload_body_bytes: int = Field(64 * 1024 * 1024, gt=0)  # one multipart ingest request
+    max_upload_files: int = Field(100, gt=0)
+    # Per-tenant quotas (0 = off), in this process or, with redis_url, shared by all replicas.
+    tenant_max_concurrent_requests: int = Field(32, ge=0)
+    tenant_requests_per_minute: int = Field(600, ge=0)
+    # Server folders a tenant admin may ingest by path over HTTP; empty = uploads only. The
+    # CLI (an operator on the machine) may ingest any path.
+    ingest_allowed_roots: list[Path] = Field(default_factory=list)
+    # /metrics answers this bearer token, or any API key with the `audit` scope.
+    metrics_token: str = ""
+    # Serve /docs, /redoc and /openapi.json.
+    api_docs: bool = True
+
     @field_validator("disagg_prefill_cpus", "disagg_decode_cpus")
     @classmethod
     def _check_cpu_list(cls, value: str) -> str:

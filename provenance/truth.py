@@ -706,17 +706,24 @@ def sweep(
     return report
 
 
-def cached_vectors(session: Session, model_id: str, hashes: Sequence[str]) -> dict[str, np.ndarray]:
-    """Cached embeddings of ``model_id`` for the given chunk hashes (absent ones left out)."""
+def cached_vectors(
+    session: Session, model_id: str, hashes: Sequence[str], tenant_id: str | None = None
+) -> dict[str, np.ndarray]:
+    """Cached embeddings of ``model_id`` for the given chunk hashes (absent ones left out);
+    with ``tenant_id``, only hashes of chunks that tenant already has."""
     hashes = sorted(set(hashes))
     found: dict[str, np.ndarray] = {}
     for start in range(0, len(hashes), 500):
-        rows = session.execute(
-            select(Embedding.chunk_hash, Embedding.vector).where(
-                Embedding.model_id == model_id,
-                Embedding.chunk_hash.in_(hashes[start : start + 500]),
-            )
+        query = select(Embedding.chunk_hash, Embedding.vector).where(
+            Embedding.model_id == model_id,
+            Embedding.chunk_hash.in_(hashes[start : start + 500]),
         )
+        if tenant_id is not None:
+            owned = select(Chunk.id).where(
+                Chunk.tenant_id == tenant_id, Chunk.chunk_hash == Embedding.chunk_hash
+            )
+            query = query.where(owned.exists())
+        rows = session.execute(query)
         found.update({h: np.frombuffer(v, dtype=np.float32) for h, v in rows})
     return found
 

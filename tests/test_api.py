@@ -199,16 +199,19 @@ def test_failure_mid_stream_leaves_a_failed_receipt(api, monkeypatch):
         receipt_id = response.headers["X-Receipt-Id"]
         events = [line for line in response.iter_lines() if line.startswith("data: ")]
     assert events[-1] == "data: [DONE]"
-    assert "worker lost" in json.loads(events[-2][6:])["error"]["message"]
+    error = json.loads(events[-2][6:])
+    assert error["error"]["code"] == "generation_failed" and error["receipt_id"] == receipt_id
+    assert "worker lost" not in error["error"]["message"]  # exception text stays in the log
     receipt = api.client.get(f"/v1/receipts/{receipt_id}", headers=api.auth()).json()
-    assert receipt["status"] == "failed" and receipt["body"]["error.type"] == "RuntimeError"
+    assert receipt["status"] == "failed"
+    assert receipt["body"]["error.type"] == "generation_failed"
 
 
 def test_metrics_and_health(api):
     assert api.client.get("/healthz").json() == {"status": "ok"}
     assert api.client.get("/readyz").status_code == 200
     api.chat("How do I reset my password?")
-    text = api.client.get("/metrics").text
+    text = api.client.get("/metrics", headers=api.auth("acme", "audit")).text
     for name in (
         "inherent:time_to_first_token_seconds_count",
         "inherent:http_requests_total",

@@ -471,3 +471,48 @@ def test_smollm_batch_with_preemption_matches_alone(smollm):
     assert [o.token_ids for o in tight.generate(prompts_, params)] == expected
     assert tight.scheduler.num_preemptions > 0
     assert_no_leaks(tight)
+
+
+def test_one_requests_sampling_failure_ends_only_that_request():
+    """A poisoned request (top_k beyond any tensor's range; the toy runner knows no vocabulary,
+    so nothing refuses it up front) fails alone: the batch around it finishes unharmed."""
+    engine = toy_engine(max_num_seqs=8)
+    batch = prompts(7, seed=3)
+    ids = [engine.add_request(p, GREEDY) for p in batch]
+    poisoned = engine.add_request(batch[0], SamplingParams(temperature=1.0, top_k=2**64))
+    finals, tokens = {}, {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            tokens.setdefault(out.request_id, []).extend(out.token_ids)
+            if out.finished:
+                finals[out.request_id] = out
+    assert finals[poisoned].finish_reason == "abort"
+    assert finals[poisoned].error == "sampling failed"
+    assert tokens[poisoned] == []
+    for request_id, prompt in zip(ids, batch, strict=True):
+        assert finals[request_id].error is None
+        assert tokens[request_id] == reference_greedy(prompt, 16)
+    assert_no_leaks(engine)
+
+
+def test_top_k_beyond_the_vocabulary_is_refused_up_front(tmp_path):
+    engine = LLMEngine.from_config(
+        EngineConfig(model=str(write_tiny_llama(tmp_path / "m")), max_model_len=128)
+    )
+    with pytest.raises(InvalidRequest, match="top_k"):
+        engine.add_request([1, 2, 3], SamplingParams(top_k=2**64))
+
+
+def test_prefix_cache_is_shared_only_within_one_salt():
+    """Tenant B cannot confirm tenant A's prompt through cache hits: salts split the cache."""
+    engine = toy_engine(num_kv_blocks=64)
+    prompt = prompts(1, low=40, high=41, seed=5)[0]
+
+    def cached_hits(salt: str) -> int:
+        before = engine.block_manager.prefix_cache_hits
+        engine.generate([prompt], SamplingParams(temperature=0, max_tokens=2, cache_salt=salt))
+        return engine.block_manager.prefix_cache_hits - before
+
+    assert cached_hits("tenant-a") == 0
+    assert cached_hits("tenant-b") == 0  # same tokens, other tenant: a miss
+    assert cached_hits("tenant-a") >= 36  # the owner still gets its hits

@@ -9,9 +9,11 @@ from typing import Any
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, StreamingResponse
+from starlette.background import BackgroundTask
 from starlette.concurrency import run_in_threadpool
 
 from engine import EngineOverloaded, InvalidRequest, SamplingParams
+from engine.tokenizer import UnsafeContent
 from gateway.auth import Principal
 from gateway.deps import ChatPrincipal, ServicesDep
 from gateway.errors import APIError
@@ -34,8 +36,10 @@ def list_models(services: ServicesDep, _: ChatPrincipal) -> ModelList:
 
 
 def sampling_params(
-    body: ChatCompletionRequest, prompt_len: int, max_model_len: int
+    body: ChatCompletionRequest, prompt_len: int, max_model_len: int, tenant_id: str
 ) -> SamplingParams:
+    """The engine's settings for this request; its prefix cache is salted with the tenant, so
+    tenants never share cached KV (nor learn from hits what another tenant sent)."""
     room = max_model_len - prompt_len
     if room < 1:
         raise APIError(
@@ -60,6 +64,7 @@ def sampling_params(
             top_k=body.top_k,
             seed=body.seed,
             stop=list(body.stop or []),
+            cache_salt=tenant_id,
         )
     except ValueError as exc:
         raise APIError(400, str(exc), code="invalid_value") from exc
@@ -83,6 +88,8 @@ def prepare(
             raise APIError(
                 400, str(exc), param="inherent.snapshot", code="unknown_snapshot"
             ) from exc
+        except UnsafeContent as exc:
+            raise APIError(400, str(exc), param="messages", code="invalid_content") from exc
 
 
 def new_record(
@@ -128,6 +135,8 @@ async def run_engine(
             if out.finished:
                 record.finish_reason = out.finish_reason
                 record.timeline = out.metrics or {}
+                if out.error is not None:
+                    raise GenerationFailed(out.error)
             yield out
     except (EngineOverloaded, InvalidRequest):
         raise  # refused before any work: the client gets a 4xx, there is nothing to audit
@@ -139,8 +148,13 @@ async def run_engine(
         services.receipts.submit(record)
         raise
     except Exception as exc:
-        # A failure mid-generation is reported only once its receipt is committed.
-        record.error = {"type": type(exc).__name__, "message": str(exc) or type(exc).__name__}
+        # A failure mid-generation is reported only once its receipt is committed. The receipt
+        # names the kind of failure, never the exception's text (SECURITY.md).
+        if isinstance(exc, GenerationFailed):
+            record.error = {"type": "generation_failed", "message": str(exc)}
+        else:
+            log.error("generation failed for receipt %s", record.receipt_id, exc_info=exc)
+            record.error = {"type": "generation_failed", "message": "the engine failed"}
         record.finish_reason = record.finish_reason or "abort"
         await services.receipts.write(record)
         raise
@@ -156,7 +170,7 @@ def receipt_unavailable(exc: ReceiptNotCommitted) -> APIError:
     """Fail closed: an answer whose receipt is not committed is not returned."""
     return APIError(
         503,
-        f"the answer was not returned because its receipt could not be committed ({exc}); retry",
+        "the answer was not returned because its receipt could not be committed; retry",
         type="server_error",
         code="receipt_not_committed",
         headers={"Retry-After": "2"},
@@ -193,9 +207,22 @@ async def _disconnected(request: Request) -> None:
         pass
 
 
+class GenerationFailed(RuntimeError):
+    """This request alone failed in the engine; its message is safe to show the client."""
+
+
+def failure(record: ReceiptRecord) -> APIError:
+    return APIError(
+        500,
+        f"generation failed; the receipt {record.receipt_id} records it",
+        type="server_error",
+        code="generation_failed",
+    )
+
+
 @router.post("/v1/chat/completions", response_model=None)
 async def chat_completions(
-    body: ChatCompletionRequest, services: ServicesDep, principal: ChatPrincipal, request: Request
+    request: Request, body: ChatCompletionRequest, services: ServicesDep, principal: ChatPrincipal
 ) -> Any:
     if body.model not in services.served_model_names:
         raise APIError(
@@ -204,8 +231,33 @@ async def chat_completions(
             param="model",
             code="model_not_found",
         )
+    slot = await request.app.state.quotas.admit(principal.tenant_id)
+    try:
+        response = await complete(request, body, services, principal)
+    except BaseException:
+        await slot.release()
+        raise
+    if isinstance(response, StreamingResponse):
+        response.background = BackgroundTask(slot.release)  # runs when the stream ends
+    else:
+        await slot.release()
+    return response
+
+
+async def complete(
+    request: Request, body: ChatCompletionRequest, services: Services, principal: Principal
+) -> JSONResponse | StreamingResponse:
+    if body.top_k > services.tokenizer.vocab_size:
+        raise APIError(
+            400,
+            f"top_k must be at most the vocabulary size, {services.tokenizer.vocab_size}",
+            param="top_k",
+            code="invalid_value",
+        )
     prompt = await run_in_threadpool(prepare, services, principal, body)
-    params = sampling_params(body, len(prompt.prompt_ids), services.max_model_len)
+    params = sampling_params(
+        body, len(prompt.prompt_ids), services.max_model_len, principal.tenant_id
+    )
     record = new_record(services, principal, body, prompt, params)
     citations = [c.citation() for c in prompt.chunks]
     created = int(time.time())
@@ -226,6 +278,8 @@ async def chat_completions(
             code="engine_overloaded" if overloaded else "invalid_value",
             headers={"Retry-After": "1"} if overloaded else None,
         ) from exc
+    except Exception as exc:
+        raise failure(record) from exc
 
     if not body.stream:
         if first is not None:
@@ -233,6 +287,8 @@ async def chat_completions(
                 gone = await drain_unless_gone(stream, request)
             except ReceiptNotCommitted as exc:
                 raise receipt_unavailable(exc) from exc
+            except Exception as exc:
+                raise failure(record) from exc
             if gone:  # nobody reads this; it keeps the access log and metrics honest
                 return APIError(
                     499, "client closed request", type="cancelled",
@@ -312,15 +368,15 @@ async def sse_events(
             if out.text:
                 yield chunk({"content": out.text})
     except Exception as exc:
-        log.exception("generation failed mid-stream")
         committed = not isinstance(exc, ReceiptNotCommitted)
+        error = failure(record) if committed else receipt_unavailable(exc)
         yield sse(
             {
                 "error": {
-                    "message": str(exc) if not committed else f"generation failed: {exc}",
-                    "type": "server_error",
+                    "message": error.message,
+                    "type": error.type,
                     "param": None,
-                    "code": "generation_failed" if committed else "receipt_not_committed",
+                    "code": error.code,
                 },
                 # Only a committed receipt is named: fail closed when there is none.
                 **({"receipt_id": record.receipt_id} if committed else {}),

@@ -1,11 +1,14 @@
 """Liveness, readiness and the Prometheus exposition (engine metrics plus HTTP ones)."""
 
+from hmac import compare_digest
+
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from sqlalchemy import text
 
-from provenance.db import get_engine
+from gateway.auth import AuthError, authenticate, require
+from provenance.db import get_engine, session_scope
 
 router = APIRouter(tags=["health"])
 
@@ -36,4 +39,16 @@ def readyz(request: Request) -> JSONResponse:
 
 @router.get("/metrics")
 def metrics(request: Request) -> Response:
+    """Prometheus exposition. Queue depths and latencies describe every tenant's load, so
+    strangers get none of it: with a metrics token set only the operator's scraper (that
+    token) reads it, otherwise any key with the `audit` scope does (SECURITY.md)."""
+    settings = request.app.state.settings
+    scheme, _, secret = request.headers.get("authorization", "").partition(" ")
+    secret = secret.strip() if scheme.lower() == "bearer" else ""
+    if settings.metrics_token:
+        if not compare_digest(secret.encode(), settings.metrics_token.encode()):
+            raise AuthError("/metrics needs the metrics token: send 'Authorization: Bearer <token>'")
+    else:
+        with session_scope(settings.sqlalchemy_url) as session:
+            require(authenticate(session, secret), "audit")
     return Response(generate_latest(request.app.state.registry), media_type=CONTENT_TYPE_LATEST)

@@ -21,7 +21,14 @@ from ingest.loaders.base import (
     LoadResult,
 )
 from ingest.loaders.pdf import pdf_to_text
-from ingest.loaders.registry import KINDS, load_file, load_path, load_paths, loader_for
+from ingest.loaders.registry import (
+    KINDS,
+    load_bytes,
+    load_file,
+    load_path,
+    load_paths,
+    loader_for,
+)
 from ingest.loaders.text import decode, html_to_text, markdown_title
 
 __all__ = [
@@ -33,6 +40,7 @@ __all__ = [
     "LoadResult",
     "decode",
     "html_to_text",
+    "load_bytes",
     "load_file",
     "load_path",
     "load_paths",

@@ -152,15 +152,32 @@ def load_file(
     try:
         size = path.stat().st_size
         if size > limits.max_file_bytes:
-            raise Rejected(f"file is {size} bytes, over the {limits.max_file_bytes}-byte limit")
+            return too_big(size, source_id, uri, limits)
         data = path.read_bytes()
-    except Rejected as problem:
-        return LoadResult(failures=[LoadFailure(source_id, uri, str(problem))])
     except OSError as error:
         reason = f"cannot read file: {error.strerror or error}"
         return LoadResult(failures=[LoadFailure(source_id, uri, reason)])
-    blob = Blob(data, path.name, source_id, uri, id_prefix, Budget(limits, len(data)))
-    return load_blob(blob)
+    return load_bytes(path.name, data, source_id, uri, limits=limits, id_prefix=id_prefix)
+
+
+def load_bytes(
+    name: str,
+    data: bytes,
+    source_id: str,
+    uri: str,
+    *,
+    limits: Limits = Limits(),
+    id_prefix: str = "",
+) -> LoadResult:
+    """``load_file`` for bytes already in hand (an upload); ``name``'s suffix picks the loader."""
+    if len(data) > limits.max_file_bytes:
+        return too_big(len(data), source_id, uri, limits)
+    return load_blob(Blob(data, name, source_id, uri, id_prefix, Budget(limits, len(data))))
+
+
+def too_big(size: int, source_id: str, uri: str, limits: Limits) -> LoadResult:
+    reason = f"file is {size} bytes, over the {limits.max_file_bytes}-byte limit"
+    return LoadResult(failures=[LoadFailure(source_id, uri, reason)])
 
 
 def load_paths(
