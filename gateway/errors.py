@@ -16,6 +16,8 @@ log = logging.getLogger("inherent.errors")
 # Seconds a client should wait before retrying while the database is unavailable.
 DATABASE_RETRY_AFTER_S = 2
 
+HTTP_ERROR_CODES = {404: "not_found", 405: "method_not_allowed", 413: "request_too_large"}
+
 
 class APIError(Exception):
     def __init__(
@@ -93,7 +95,10 @@ def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(StarletteHTTPException)
     async def http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
         return APIError(
-            exc.status_code, str(exc.detail), code="not_found" if exc.status_code == 404 else None
+            exc.status_code,
+            str(exc.detail),
+            code=HTTP_ERROR_CODES.get(exc.status_code),
+            headers=exc.headers,  # a 405 keeps its Allow header
         ).response()
 
     @app.exception_handler(DBAPIError)

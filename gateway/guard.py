@@ -8,6 +8,7 @@ large body, and learn from the 400 what a valid one looks like, without any key.
 from typing import Any
 
 from starlette.concurrency import run_in_threadpool
+from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from gateway.auth import AuthError, Principal, authenticate
@@ -20,14 +21,16 @@ KEYED_PREFIXES = ("/v1/", "/admin/")
 BODYLESS_METHODS = ("GET", "HEAD", "OPTIONS", "DELETE")
 
 
-class BodyTooLarge(APIError):
+class BodyTooLarge(HTTPException):
+    """Raised while a route reads the body; an HTTPException, so FastAPI's body parsing lets
+    it through as itself (any other error there becomes a 400)."""
+
     def __init__(self, limit: int):
-        super().__init__(
-            413,
-            f"the request body is over the {limit}-byte limit",
-            param=None,
-            code="request_too_large",
-        )
+        super().__init__(413, f"the request body is over the {limit}-byte limit")
+
+
+def too_large(limit: int) -> APIError:
+    return APIError(413, BodyTooLarge(limit).detail, code="request_too_large")
 
 
 def bearer(scope: Scope) -> str | None:
@@ -73,7 +76,7 @@ class RequestGuard:
         limit = self.body_limit(scope)
         length = declared_length(scope)
         if length is not None and length > limit:
-            return await BodyTooLarge(limit).response()(scope, receive, send)
+            return await too_large(limit).response()(scope, receive, send)
         await self.app(scope, counting(receive, limit), send)
 
     def principal(self, secret: str | None) -> Principal:

@@ -70,6 +70,7 @@ def plan_replay(services: Services, session: Session, receipt: Receipt) -> Repla
         top_k=sampling["top_k"],
         seed=sampling["seed"],
         stop=list(sampling["stop"]),
+        cache_salt=receipt.tenant_id,  # a replay reuses only its own tenant's cached prefixes
     )
     return ReplayPlan(
         receipt, prompt, params, not problems, problems, drift_report(services, session, receipt)

@@ -14,8 +14,7 @@ from api_support import api  # noqa: F401  (fixture)
 from conftest import REDIS_URL, requires_redis
 from sqlalchemy import func, select
 
-from gateway.guard import RequestGuard
-from gateway.quotas import MemoryQuotas, quotas_for
+from gateway.quotas import quotas_for
 from provenance.db import session_scope
 from provenance.models import Upload
 
@@ -241,11 +240,13 @@ def run_guard(api, headers: dict[str, str], body_chunks: list[bytes]) -> tuple[i
             status.append(message["status"])
 
     scope = {
-        "type": "http", "method": "POST", "path": "/v1/chat/completions", "query_string": b"",
+        "type": "http", "http_version": "1.1", "method": "POST", "scheme": "http",
+        "path": "/v1/chat/completions", "raw_path": b"/v1/chat/completions",
+        "query_string": b"", "root_path": "", "server": ("testserver", 80),
+        "client": ("127.0.0.1", 5000),
         "headers": [(k.lower().encode(), v.encode()) for k, v in headers.items()],
     }
-    guard = RequestGuard(api.client.app.router, api.settings)
-    asyncio.run(guard(scope, receive, send))
+    asyncio.run(api.client.app(scope, receive, send))  # the whole app, its guard outermost
     return status[0], pulled
 
 
@@ -281,6 +282,7 @@ def test_the_key_is_checked_before_any_body_is_read(api):
 
 
 def test_prefix_cache_probe_learns_nothing_about_another_tenant(api):
+    owner, prober = "initech", "umbrella"  # tenants with nothing cached yet
     secret = "Acme's unreleased roadmap: " + "the Falcon project ships in March. " * 12
     body = ask(secret, inherent={"retrieval": False}, max_tokens=2)
 
@@ -290,9 +292,9 @@ def test_prefix_cache_probe_learns_nothing_about_another_tenant(api):
         stored = receipt(api, reply.json()["receipt_id"], tenant)["body"]
         return stored["inherent.timeline"]["num_cached_tokens"]
 
-    assert cached_tokens("acme") == 0
-    assert cached_tokens("globex") == 0  # the probe: same prompt, other tenant, no hit
-    assert cached_tokens("acme") > 100  # the owner still reuses its own prefix
+    assert cached_tokens(owner) == 0
+    assert cached_tokens(prober) == 0  # the probe: same prompt, other tenant, no hit
+    assert cached_tokens(owner) > 100  # the owner still reuses its own prefix
 
 
 def test_embedding_reuse_counts_only_the_tenants_own_chunks(api):
@@ -377,29 +379,35 @@ def test_docs_can_be_turned_off(tmp_path):
 
 
 def test_a_tenant_over_its_concurrency_quota_gets_429_and_others_do_not(api, monkeypatch):
-    monkeypatch.setattr(api.client.app.state, "quotas", MemoryQuotas(1, 0))
+    monkeypatch.setattr(api.client.app.state.quotas, "max_concurrent", 1)
     body = ask("How do I reset my password?", stream=True, max_tokens=32)
     with api.client.stream("POST", "/v1/chat/completions", json=body,
                            headers=api.auth("acme")) as holding:
         assert holding.status_code == 200
-        next(holding.iter_lines())  # the stream is open and holds acme's only slot
+        lines = holding.iter_lines()
+        next(lines)  # the stream is open and holds acme's only slot
         second = api.client.post("/v1/chat/completions", json=ask("hi"), headers=api.auth("acme"))
         assert second.status_code == 429 and second.headers["Retry-After"] == "1"
         assert error_of(second)["code"] == "tenant_quota_exceeded"
         other = api.client.post("/v1/chat/completions", json=ask("hi"), headers=api.auth("globex"))
         assert other.status_code == 200
-        list(holding.iter_lines())
+        list(lines)
     after = api.client.post("/v1/chat/completions", json=ask("hi"), headers=api.auth("acme"))
     assert after.status_code == 200  # the slot came back when the stream ended
 
 
 def test_a_tenant_over_its_rate_quota_gets_429_with_retry_after(api, monkeypatch):
-    monkeypatch.setattr(api.client.app.state, "quotas", MemoryQuotas(0, 2))
-    codes = [api.client.post("/v1/chat/completions", json=ask("hi", max_tokens=1),
-                             headers=api.auth("globex")).status_code for _ in range(3)]
-    assert codes == [200, 200, 429]
-    assert api.client.post("/v1/chat/completions", json=ask("hi", max_tokens=1),
-                           headers=api.auth("acme")).status_code == 200
+    monkeypatch.setattr(api.client.app.state.quotas, "per_minute", 2)
+    tenant = "hooli"  # no requests yet in this minute
+
+    def post(tenant: str) -> int:
+        return api.client.post("/v1/chat/completions", json=ask("hi", max_tokens=1),
+                               headers=api.auth(tenant))
+
+    replies = [post(tenant) for _ in range(3)]
+    assert [r.status_code for r in replies] == [200, 200, 429]
+    assert 1 <= int(replies[2].headers["Retry-After"]) <= 60
+    assert post("piedpiper").status_code == 200  # another tenant, untouched
 
 
 @pytest.mark.integration

@@ -6,10 +6,11 @@ from dataclasses import asdict
 from pathlib import Path, PurePosixPath
 from typing import Any, Literal
 
-from fastapi import APIRouter, HTTPException, Request
+from fastapi import APIRouter, Request
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 from starlette.concurrency import run_in_threadpool
 from starlette.datastructures import UploadFile
+from starlette.exceptions import HTTPException
 from starlette.formparsers import MultiPartException
 
 from gateway.deps import AdminPrincipal, ServicesDep
@@ -78,6 +79,7 @@ INGEST_BODY = {
                     "properties": {
                         "files": {
                             "type": "array",
+                            "minItems": 1,
                             "items": {"type": "string", "format": "binary"},
                         },
                         "cleanup": {"type": "string", "enum": ["full"]},
@@ -183,7 +185,9 @@ async def read_uploads(
             max_files=settings.max_upload_files, max_fields=settings.max_upload_files + 2
         )
     except (MultiPartException, HTTPException) as exc:
-        raise APIError(400, "the multipart body could not be read", code="invalid_value") from exc
+        raise APIError(
+            400, "the multipart body could not be read", param="files", code="invalid_value"
+        ) from exc
     cleanup = form.get("cleanup") or None
     prefix = form.get("prefix") or ""
     if cleanup not in (None, "full") or not isinstance(prefix, str):

@@ -217,6 +217,7 @@ def failure(record: ReceiptRecord) -> APIError:
         f"generation failed; the receipt {record.receipt_id} records it",
         type="server_error",
         code="generation_failed",
+        headers={"X-Receipt-Id": record.receipt_id},
     )
 
 

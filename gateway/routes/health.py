@@ -3,7 +3,7 @@
 from hmac import compare_digest
 
 from fastapi import APIRouter, Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from sqlalchemy import text
 
@@ -37,7 +37,7 @@ def readyz(request: Request) -> JSONResponse:
     )
 
 
-@router.get("/metrics")
+@router.get("/metrics", response_class=PlainTextResponse)
 def metrics(request: Request) -> Response:
     """Prometheus exposition. Queue depths and latencies describe every tenant's load, so
     strangers get none of it: with a metrics token set only the operator's scraper (that

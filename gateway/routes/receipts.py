@@ -8,6 +8,7 @@ from datetime import UTC, datetime
 from typing import Annotated, Literal
 
 from fastapi import APIRouter, Query, Response
+from pydantic import BeforeValidator
 from starlette.concurrency import run_in_threadpool
 
 from engine.diagnosis import diagnose
@@ -76,14 +77,25 @@ def as_utc(value: datetime | None) -> datetime | None:
     return value.replace(tzinfo=UTC) if value.tzinfo is None else value.astimezone(UTC)
 
 
+def iso_8601(value: object) -> object:
+    """An ISO 8601 string only: pydantic would also read "0.5" as seconds since 1970."""
+    if isinstance(value, str):
+        try:
+            return datetime.fromisoformat(value)
+        except ValueError as exc:
+            raise ValueError("an ISO 8601 time, e.g. 2026-11-30T12:00:00Z") from exc
+    return value
+
+
+IsoTime = Annotated[datetime | None, BeforeValidator(iso_8601)]
+
+
 @router.get("/v1/receipts")
 def read_receipts(
     principal: AuditPrincipal,
     session: SessionDep,
-    since: Annotated[
-        datetime | None, Query(description="ISO 8601 time; receipts at or after it")
-    ] = None,
-    until: Annotated[datetime | None, Query(description="ISO 8601 time; receipts before it")] = None,
+    since: Annotated[IsoTime, Query(description="ISO 8601 time; receipts at or after it")] = None,
+    until: Annotated[IsoTime, Query(description="ISO 8601 time; receipts before it")] = None,
     status: Annotated[Literal[STATUSES] | None, Query(description="ok, failed or cancelled")] = None,
     receipt_id: Annotated[str | None, Query(alias="id", description="One receipt id")] = None,
     source: Annotated[str | None, Query(description="Receipts that cited this source id")] = None,
