@@ -17,7 +17,7 @@ from provenance.settings import Settings, get_settings
 TABLES = {
     "tenants", "api_keys", "sources", "source_versions", "chunks", "epochs",
     "ingestion_jobs", "receipts", "audit_log", "audit_nodes", "audit_heads", "embeddings",
-    "epoch_counter",
+    "epoch_counter", "uploads",
 }
 
 
