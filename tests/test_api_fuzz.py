@@ -56,7 +56,7 @@ def live_server(tmp_path_factory):
     )
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
-    deadline = time.monotonic() + 300
+    deadline = time.monotonic() + 900  # a first run builds the CPU kernels
     while not server.started:
         assert thread.is_alive() and time.monotonic() < deadline, "the server did not start"
         time.sleep(0.1)
