@@ -449,6 +449,14 @@ def diagnose(
         ),
     ],
     as_json: Annotated[bool, typer.Option("--json", help="Print the full report as JSON.")] = False,
+    token: Annotated[
+        str | None,
+        typer.Option(
+            "--token",
+            envvar="INHERENT_METRICS_TOKEN",
+            help="For a metrics URL: the server's metrics token, or an API key with the audit scope.",
+        ),
+    ] = None,
 ) -> None:
     """Say which phase owns the latency (queue, prefill, decode, interference), with the numbers."""
     from gateway import diagnose as diagnosis
@@ -457,9 +465,10 @@ def diagnose(
         if source.startswith(("http://", "https://")):
             import httpx
 
+            headers = {"Authorization": f"Bearer {token}"} if token else {}
             reports = {
                 source: diagnosis.from_metrics(
-                    httpx.get(source, timeout=30).raise_for_status().text
+                    httpx.get(source, headers=headers, timeout=30).raise_for_status().text
                 )
             }
         else:

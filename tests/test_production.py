@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import signal
 import socket
 import subprocess
@@ -173,12 +172,12 @@ def test_two_replicas_and_a_worker_share_nothing_but_the_databases(deployment, p
     deployment.wait_ready("api-a", url_a)
     deployment.wait_ready("api-b", url_b)
 
-    # Ingest through replica A; the worker runs the job. The corpus is the job's input, a path
-    # every process can read (as a mounted volume would be), not anyone's data directory.
-    corpus = tmp_path / "corpus"
-    shutil.copytree(Path(str(resources.files("gateway") / "demo_corpus")), corpus)
+    # Ingest through replica A, uploaded as a tenant does; the bytes travel through the
+    # database, and the worker, which shares no file with A, runs the job.
+    corpus = Path(str(resources.files("gateway") / "demo_corpus"))
+    files = [("files", (f.name, f.read_bytes())) for f in sorted(corpus.iterdir())]
     submitted = httpx.post(
-        f"{url_a}/admin/ingest", json={"paths": [str(corpus)]}, headers=bearer(key), timeout=60
+        f"{url_a}/admin/ingest", files=files, headers=bearer(key), timeout=60
     )
     assert submitted.status_code == 202, submitted.text
     job = submitted.json()
