@@ -1,7 +1,7 @@
 """uploads: a tenant's uploaded bytes, content-addressed, until their ingestion job succeeds
 
-Revision ID: 0004_uploads
-Revises: 0003_per_tenant_logs
+Revision ID: 0005_uploads
+Revises: 0004_receipt_citations
 Create Date: 2026-11-30 16:00:00
 """
 
@@ -10,8 +10,8 @@ from collections.abc import Sequence
 import sqlalchemy as sa
 from alembic import op
 
-revision: str = "0004_uploads"
-down_revision: str | None = "0003_per_tenant_logs"
+revision: str = "0005_uploads"
+down_revision: str | None = "0004_receipt_citations"
 branch_labels: str | Sequence[str] | None = None
 depends_on: str | Sequence[str] | None = None
 
