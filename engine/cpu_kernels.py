@@ -15,8 +15,9 @@ error.
 Compiled on first use with the system C++ compiler through torch's extension loader and cached
 under ``TORCH_EXTENSIONS_DIR`` (default ``~/.cache/torch_extensions``): about a minute once per
 machine and source version, a fraction of a second after. It is built for the CPU it runs on
-(``-march=native``), so the build's name carries a digest of the CPU's flags: a home directory
-shared by different machines never loads a build with instructions its CPU lacks.
+(``-march=native``), so the build's name carries a digest of the CPU's flags (a home directory
+shared by different machines never loads a build with instructions its CPU lacks) and of the
+sources (checkouts of different versions never rebuild over each other).
 """
 
 from __future__ import annotations
@@ -38,13 +39,18 @@ class KernelUnavailable(RuntimeError):
     """The kernels could not be built here (no compiler, or not a CPU build)."""
 
 
-def _cpu_digest() -> str:
+def _build_digest() -> str:
+    """The CPU's flags and the sources' bytes: two checkouts of different sources on one
+    machine build side by side instead of over each other, and never load each other's build."""
     try:
         with open("/proc/cpuinfo") as f:
             flags = next((line for line in f if line.startswith("flags")), "")
     except OSError:
         flags = ""
-    return hashlib.blake2b(flags.encode(), digest_size=4).hexdigest()
+    digest = hashlib.blake2b(flags.encode(), digest_size=6)
+    for source in sorted((Path(__file__).parent / "csrc").iterdir()):
+        digest.update(source.name.encode() + source.read_bytes())
+    return digest.hexdigest()
 
 
 @functools.cache
@@ -53,7 +59,7 @@ def _module():
 
     try:
         return load(
-            name=f"inherent_cpu_kernels_{_cpu_digest()}",
+            name=f"inherent_cpu_kernels_{_build_digest()}",
             sources=[str(s) for s in SOURCES],
             # -fopenmp: at::parallel_for is OpenMP in torch's CPU builds; without the flag its
             # pragma is dropped and the kernels run on one thread. -ffp-contract=off: the

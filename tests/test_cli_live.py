@@ -143,8 +143,13 @@ def test_ask_replay_and_diagnose_against_the_live_server(cli, server):
     assert refused.returncode == 1 and "401" in refused.stderr
 
     # The report the command prints is the server's own histograms: the answer and its replay.
-    metrics = httpx.get(url + "/metrics", timeout=30).text
-    report = json.loads(cli("diagnose", url + "/metrics", "--json").stdout)[url + "/metrics"]
+    # /metrics is not open: the command sends an audit key (or the operator's metrics token).
+    closed = cli("diagnose", url + "/metrics", ok=False)
+    assert closed.returncode == 1 and "401" in closed.stderr
+    metrics = httpx.get(url + "/metrics", headers={"Authorization": f"Bearer {key}"}).text
+    report = json.loads(cli("diagnose", url + "/metrics", "--json", "--token", key).stdout)[
+        url + "/metrics"
+    ]
     sums = {s.name: s.value for family in text_string_to_metric_families(metrics)
             for s in family.samples if s.name.startswith("inherent:request_")}
     assert report["totals"]["prefill"] == pytest.approx(
