@@ -366,8 +366,9 @@ class Worker:
                                 for c in timeline.prefill_chunks],
                                timeline.num_cached_tokens, timeline.num_preemptions)
                 interfered = timeline.interfered[-1] if timeline.interfered else False
+                logprobs = seq.logprobs[-1] if seq.params.logprobs is not None else None
                 reports.append((request_id, out.token_ids[-1], timeline.token_times[-1],
-                                interfered, out.finish_reason, prefill))
+                                interfered, out.finish_reason, prefill, logprobs))
             if out.finished:
                 del self.seqs[request_id]
             elif self.role == "prefill":  # its first token: hold its KV for the decode worker

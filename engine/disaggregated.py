@@ -439,7 +439,7 @@ class DisaggregatedEngine(LLMEngine):
             log.error("disaggregated engine: the %s worker failed:\n%s", worker.role, msg[1])
 
     def _on_tokens(self, role: str, reports: list[tuple], outputs: list[RequestOutput]) -> None:
-        for request_id, token, at, interfered, worker_reason, prefill in reports:
+        for request_id, token, at, interfered, worker_reason, prefill, logprobs in reports:
             seq = self.requests.get(request_id)
             if seq is None:  # finished here already (aborted, or a stop string)
                 if prefill is not None and worker_reason is None:
@@ -448,6 +448,8 @@ class DisaggregatedEngine(LLMEngine):
             if prefill is not None:
                 self._start_decoding(seq, prefill)
             seq.token_ids.append(token)
+            if logprobs is not None:
+                seq.logprobs.append(logprobs)
             seq.timeline.record_token(at, interfered)
             out = self._check_and_emit(seq, token)
             outputs.append(out)

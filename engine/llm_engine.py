@@ -41,6 +41,8 @@ class RequestOutput:
     num_output_tokens: int  # so far
     metrics: dict | None = None  # the request's timeline summary, on the final output
     error: str | None = None  # why a request ended by failure (finish_reason "abort")
+    # One entry per token in `token_ids` when the request asks for logprobs (Sequence.logprobs).
+    logprobs: list | None = None
 
 
 class LLMEngine:
@@ -64,6 +66,7 @@ class LLMEngine:
                                           config.enable_prefix_caching)
         self.scheduler = Scheduler(config, self.block_manager)
         self.model_runner = model_runner
+        model_runner.sampler.eos_token_ids = tuple(self.eos_token_ids)  # for min_tokens
         self.metrics = EngineMetrics(registry if registry is not None else CollectorRegistry(),
                                      model_id)
         self.requests: dict[str, Sequence] = {}  # unfinished requests by id
@@ -119,6 +122,8 @@ class LLMEngine:
             )
         if params.stop and self.tokenizer is None:
             raise InvalidRequest("stop strings need a tokenizer")
+        if vocab is not None and params.logit_bias and max(params.logit_bias) >= vocab:
+            raise InvalidRequest(f"logit_bias token ids must be in [0, {vocab})")
         if len(self.scheduler.waiting) + len(self._inbox) >= self.config.max_waiting_requests:
             raise EngineOverloaded(
                 f"{self.config.max_waiting_requests} requests are already waiting"
@@ -225,7 +230,10 @@ class LLMEngine:
             # run of them would grow its pending buffer, re-decoded at every token.
             new_text = seq.detokenizer.step(token)
             if new_text:
-                reason = self._append_text(seq, new_text)
+                # As vLLM: stop strings count from min_tokens on (EOS and stop ids are masked
+                # by the sampler until then).
+                reason = self._append_text(seq, new_text,
+                                           seq.num_output_tokens >= params.min_tokens)
         if reason is None and (seq.num_output_tokens >= params.max_tokens
                                or seq.num_tokens >= self.config.max_model_len):
             reason = "length"
@@ -239,12 +247,13 @@ class LLMEngine:
         seq.num_sent_chars = visible
         seq.num_sent_tokens = seq.num_output_tokens
         return RequestOutput(seq.request_id, text, [token], False, None,
-                             seq.num_prompt_tokens, seq.num_output_tokens)
+                             seq.num_prompt_tokens, seq.num_output_tokens,
+                             logprobs=seq.logprobs[-1:] if params.logprobs is not None else None)
 
     @staticmethod
-    def _append_text(seq: Sequence, new_text: str) -> str | None:
+    def _append_text(seq: Sequence, new_text: str, check_stops: bool = True) -> str | None:
         """Add detokenized text; on a stop string, trim the text at it and return "stop"."""
-        stops = seq.params.stop
+        stops = seq.params.stop if check_stops else ()
         text = seq.output_text + new_text
         if stops:
             # Only a stop string that ends in the new text can be new.
@@ -270,9 +279,12 @@ class LLMEngine:
         text = seq.output_text[seq.num_sent_chars :]
         seq.num_sent_chars = len(seq.output_text)
         new_tokens = seq.output_token_ids[seq.num_sent_tokens :]
+        logprobs = (seq.logprobs[seq.num_sent_tokens :]
+                    if seq.params.logprobs is not None else None)
         seq.num_sent_tokens = seq.num_output_tokens
         return RequestOutput(seq.request_id, text, new_tokens, True, seq.finish_reason,
-                             seq.num_prompt_tokens, seq.num_output_tokens, summary, seq.error)
+                             seq.num_prompt_tokens, seq.num_output_tokens, summary, seq.error,
+                             logprobs)
 
     def _observe_step(self, outputs: list[RequestOutput]) -> None:
         bm = self.block_manager
@@ -305,6 +317,7 @@ class LLMEngine:
         return [
             RequestOutput(s.request_id, s.output_text, s.output_token_ids, True,
                           s.finish_reason, s.num_prompt_tokens, s.num_output_tokens,
-                          finals[s.request_id].metrics)
+                          finals[s.request_id].metrics,
+                          s.logprobs if s.params.logprobs is not None else None)
             for s in seqs
         ]

@@ -11,7 +11,7 @@ import torch
 
 from engine.config import EngineConfig
 from engine.forward_batch import ForwardBatch
-from engine.sampler import Sampler
+from engine.sampler import Sampler, token_logprobs
 from engine.scheduler import ScheduledBatch
 from engine.sequence import Sequence
 
@@ -127,9 +127,17 @@ class ModelRunner:
             return []
         if self.logits_hook is not None:
             self.logits_hook(sampling, logits)
-        return self.sampler(
+        tokens = self.sampler(
             logits,
             [s.params for s in sampling],
             [s.seed for s in sampling],
             [s.num_output_tokens for s in sampling],
+            [(s.token_ids, s.num_prompt_tokens) for s in sampling],
         )
+        wanted = [i for i, s in enumerate(sampling) if s.params.logprobs is not None]
+        if wanted:  # each sequence keeps its tokens' logprobs, in output order
+            found = token_logprobs(logits[wanted], [tokens[i] for i in wanted],
+                                   [sampling[i].params.logprobs for i in wanted])
+            for i, entry in zip(wanted, found, strict=True):
+                sampling[i].logprobs.append(entry)
+        return tokens

@@ -1,5 +1,7 @@
 """Next-token choice for the rows that sample this step.
 
+Rows with penalties, a logit bias or min_tokens first have their logits adjusted (`process`),
+element by element from the row's own token history, so a row stays independent of its batch.
 Greedy rows take the argmax of fp32 logits. Sampled rows apply temperature, top-k and top-p,
 then draw with the exponential-race trick (argmax of p / Exp(1) noise is a draw from p) where
 the noise of a row comes from a generator seeded by (request seed, output index): a request's
@@ -8,12 +10,16 @@ many times it was preempted.
 """
 
 import logging
+from collections.abc import Sequence
 
 import torch
 
 from engine.sampling import SamplingParams
 
 log = logging.getLogger("inherent.engine")
+
+# A row's token history: all its token ids (prompt, then output) and how many are the prompt.
+History = tuple[Sequence[int], int]
 
 
 def row_seed(seed: int, output_index: int) -> int:
@@ -25,25 +31,28 @@ SAMPLING_FAILED = -1
 
 
 class Sampler:
-    def __init__(self) -> None:
+    def __init__(self, eos_token_ids: Sequence[int] = ()) -> None:
         self.generator = torch.Generator()
+        self.eos_token_ids = tuple(eos_token_ids)  # masked while a row is below min_tokens
 
     def __call__(
         self, logits: torch.Tensor, params: list[SamplingParams], seeds: list[int],
-        output_indices: list[int],
+        output_indices: list[int], histories: list[History] | None = None,
     ) -> list[int]:
-        """`logits` [B, vocab]; one params / seed / output index per row. If the batch fails,
-        each row is sampled alone (rows are independent, so the tokens are the same), and a row
-        that still fails gets SAMPLING_FAILED: one request's failure never ends the others."""
+        """`logits` [B, vocab]; one params / seed / output index per row; `histories` (one
+        per row) are needed when a row has penalties. If the batch fails, each row is sampled
+        alone (rows are independent, so the tokens are the same), and a row that still fails
+        gets SAMPLING_FAILED: one request's failure never ends the others."""
         try:
-            return self.sample(logits, params, seeds, output_indices)
+            return self.sample(logits, params, seeds, output_indices, histories)
         except Exception:
             log.exception("sampling failed for the batch; sampling its rows one by one")
         tokens = []
         for i in range(len(params)):
             try:
                 tokens += self.sample(logits[i : i + 1], params[i : i + 1], seeds[i : i + 1],
-                                      output_indices[i : i + 1])
+                                      output_indices[i : i + 1],
+                                      histories[i : i + 1] if histories is not None else None)
             except Exception:
                 log.exception("sampling failed for one request")
                 tokens.append(SAMPLING_FAILED)
@@ -51,9 +60,18 @@ class Sampler:
 
     def sample(
         self, logits: torch.Tensor, params: list[SamplingParams], seeds: list[int],
-        output_indices: list[int],
+        output_indices: list[int], histories: list[History] | None = None,
     ) -> list[int]:
         logits = logits.float()
+        processed = [i for i, p in enumerate(params) if p.processes_logits(output_indices[i])]
+        if processed:
+            logits = logits.clone()  # never write into the caller's (the model's) logits
+            logits[processed] = process(
+                logits[processed], [params[i] for i in processed],
+                [output_indices[i] for i in processed],
+                [histories[i] for i in processed] if histories is not None else None,
+                self.eos_token_ids,
+            )
         # numpy's argmax is vectorized; torch's CPU argmax reduction is ~20x slower here.
         tokens = logits.cpu().numpy().argmax(axis=1).tolist()  # the greedy rows keep theirs
         sampled_rows = [i for i, p in enumerate(params) if not p.greedy]
@@ -91,3 +109,58 @@ def truncate(probs: torch.Tensor, rows: list[SamplingParams]) -> torch.Tensor:
     drop = (sorted_probs.cumsum(dim=-1) - sorted_probs) >= top_p
     drop |= torch.arange(vocab).unsqueeze(0) >= top_k
     return probs.scatter(1, order, sorted_probs.masked_fill_(drop, 0.0))
+
+
+def process(
+    x: torch.Tensor, rows: list[SamplingParams], output_indices: list[int],
+    histories: list[History] | None, eos_token_ids: Sequence[int],
+) -> torch.Tensor:
+    """Penalties, logit bias and the min_tokens mask on `x` [R, vocab] (one row per params),
+    as whole-tensor element-wise ops: each element depends on its own row only."""
+    rows_n, vocab = x.shape
+    if any(p.penalized for p in rows):
+        if histories is None:
+            raise ValueError("penalties need each row's token history")
+        # Flat indices (row * vocab + token) of every token seen, and of every output token.
+        seen = torch.cat([torch.as_tensor(list(ids), dtype=torch.int64) + r * vocab
+                          for r, (ids, _) in enumerate(histories)])
+        out = torch.cat([torch.as_tensor(list(ids[n:]), dtype=torch.int64) + r * vocab
+                         for r, (ids, n) in enumerate(histories)])
+        counts = torch.zeros(rows_n * vocab).index_add_(0, out, torch.ones(len(out)))
+        counts = counts.view(rows_n, vocab)  # exact: float32 counts integers up to 2**24
+        present = torch.zeros(rows_n * vocab, dtype=torch.bool)
+        present[seen] = True
+        present = present.view(rows_n, vocab)
+        rep = torch.tensor([p.repetition_penalty for p in rows]).unsqueeze(1)
+        x = torch.where(present, torch.where(x > 0, x / rep, x * rep), x)
+        freq = torch.tensor([p.frequency_penalty for p in rows]).unsqueeze(1)
+        pres = torch.tensor([p.presence_penalty for p in rows]).unsqueeze(1)
+        x = x - freq * counts - pres * (counts > 0).float()
+    biased = [(r, t, b) for r, p in enumerate(rows) for t, b in p.logit_bias.items()]
+    if biased:
+        r, t, b = zip(*biased, strict=True)
+        x = x.index_put((torch.tensor(r), torch.tensor(t)), torch.tensor(b), accumulate=True)
+    masked = [(r, t) for r, (p, i) in enumerate(zip(rows, output_indices, strict=True))
+              if i < p.min_tokens for t in (*eos_token_ids, *p.stop_token_ids)]
+    if masked:
+        r, t = zip(*masked, strict=True)
+        x = x.index_put((torch.tensor(r), torch.tensor(t)), torch.tensor(float("-inf")))
+    return x
+
+
+def token_logprobs(
+    logits: torch.Tensor, tokens: list[int], k: list[int]
+) -> list[tuple[int, float, list[tuple[int, float]]]]:
+    """For each row of `logits` [R, vocab]: its chosen token, that token's log-probability and its
+    `k` most likely tokens with theirs, under the model's raw distribution (log-softmax of the
+    fp32 logits; torch computes it row by row on CPU, so a row's values do not depend on its
+    batch)."""
+    logprobs = torch.log_softmax(logits.float(), dim=-1)
+    chosen = logprobs.gather(1, torch.tensor(tokens).unsqueeze(1)).squeeze(1).tolist()
+    width = max(k, default=0)
+    top_values, top_ids = (logprobs.topk(width, dim=-1) if width else (None, None))
+    return [
+        (tokens[r], chosen[r], list(zip(top_ids[r, :n].tolist(), top_values[r, :n].tolist(), strict=True))
+         if n else [])
+        for r, n in enumerate(k)
+    ]

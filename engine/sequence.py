@@ -35,6 +35,9 @@ class Sequence:
     num_sent_tokens: int = 0  # how many output tokens were already streamed
     prefill_steps_seen: int = 0  # the engine's count of steps with prefill work, at last token
     error: str | None = None  # set when this request alone failed (its sampling raised)
+    # Per output token, when the request asks for logprobs: (the token, its log-probability,
+    # [(token id, log-probability)] of the most likely ones), appended by the model runner.
+    logprobs: list[tuple[int, float, list[tuple[int, float]]]] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         if not self.num_prompt_tokens:

@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from engine.sampler import Sampler
+from engine.sampler import Sampler, token_logprobs
 from engine.sampling import InvalidRequest, SamplingParams
 
 VOCAB = 50
@@ -83,6 +83,13 @@ def test_top_k_and_top_p_restrict_the_choices():
         ({"stop": None}, "stop"),
         ({"stop_token_ids": ["x"]}, "stop_token_ids"),
         ({"seed": -1}, "seed"),
+        ({"repetition_penalty": 0.0}, "repetition_penalty"),
+        ({"frequency_penalty": 2.5}, "frequency_penalty"),
+        ({"presence_penalty": -3}, "presence_penalty"),
+        ({"min_tokens": 5, "max_tokens": 4}, "min_tokens"),
+        ({"logit_bias": {"7": 101}}, "logit_bias"),
+        ({"logit_bias": {"x": 1}}, "logit_bias"),
+        ({"logprobs": 21}, "logprobs"),
     ],
 )
 def test_invalid_params_are_rejected_with_a_clear_error(kwargs, message):
@@ -92,3 +99,68 @@ def test_invalid_params_are_rejected_with_a_clear_error(kwargs, message):
 
 def test_a_single_stop_string_is_accepted():
     assert SamplingParams(stop="###").stop == ["###"]
+
+
+def test_penalties_follow_vllm_on_the_rows_own_history():
+    x = torch.zeros(1, VOCAB)
+    x[0, 7], x[0, 8], x[0, 9] = 4.0, 3.0, -1.0
+    greedy = SamplingParams(temperature=0)
+    assert sample(x, [greedy]) == [7]
+    # Repetition: a seen positive logit is divided (4 / 2 = 2 < 3), prompt tokens count too.
+    rep = SamplingParams(temperature=0, repetition_penalty=2.0)
+    assert Sampler()(x, [rep], [0], [0], [([7], 1)]) == [8]
+    # ... and a seen negative one multiplied: -2 * 2 falls below the unseen -3s.
+    x2 = torch.full((1, VOCAB), -3.0)
+    x2[0, 9] = -2.0
+    assert Sampler()(x2, [rep], [0], [0], [([9], 1)]) != [9]
+    # Frequency and presence count output tokens only: a prompt token is not penalized.
+    freq = SamplingParams(temperature=0, frequency_penalty=0.4, presence_penalty=0.5)
+    assert Sampler()(x, [freq], [0], [0], [([7, 7, 7], 3)]) == [7]
+    # 4 - 0.4 * 1 - 0.5 = 3.1 > 3 after one output; 4 - 0.4 * 2 - 0.5 = 2.7 < 3 after two.
+    assert Sampler()(x, [freq], [0], [1], [([1, 7], 1)]) == [7]
+    assert Sampler()(x, [freq], [0], [2], [([1, 7, 7], 1)]) == [8]
+
+
+def test_processed_rows_are_bit_identical_alone_and_in_a_batch():
+    x = logits(5, seed=6)
+    rows = [
+        SamplingParams(temperature=0, repetition_penalty=1.3, frequency_penalty=0.5),
+        SamplingParams(temperature=0.8, presence_penalty=-0.7, seed=3),
+        SamplingParams(temperature=0),
+        SamplingParams(temperature=1.2, logit_bias={3: 5.0, 11: -100.0}, min_tokens=4),
+        SamplingParams(temperature=0.5),
+    ]
+    histories = [([1, 2, 3, 3, 4], 2), ([7, 7, 8], 1), ([1], 1), ([2, 3], 2), ([4, 4], 1)]
+    seen = []
+    sampler = Sampler(eos_token_ids=[0])
+    for draw in range(30):
+        batch = sampler(x, rows, [1, 2, 3, 4, 5], [draw] * 5, histories)
+        alone = [sampler(x[i : i + 1], [rows[i]], [i + 1], [draw], [histories[i]])[0]
+                 for i in range(5)]
+        assert batch == alone
+        seen.append(batch[3])
+    assert 11 not in seen  # a -100 bias leaves the token out
+
+
+def test_min_tokens_masks_eos_and_stop_ids_until_reached():
+    x = torch.full((1, VOCAB), -5.0)
+    x[0, 0] = 10.0  # EOS by far the most likely
+    x[0, 1] = 9.0  # then a stop token id
+    params = SamplingParams(temperature=0, min_tokens=2, stop_token_ids=[1])
+    sampler = Sampler(eos_token_ids=[0])
+    assert sampler(x, [params], [0], [0], [([4], 1)]) != [0]
+    assert sampler(x, [params], [0], [1], [([4, 5], 1)]) not in ([0], [1])
+    assert sampler(x, [params], [0], [2], [([4, 5, 6], 1)]) == [0]
+
+
+def test_logprobs_are_the_raw_log_softmax_and_row_invariant():
+    x = logits(4, seed=8)
+    entries = token_logprobs(x, [3, 4, 5, 6], [0, 2, 5, 1])
+    reference = torch.log_softmax(x.double(), dim=-1)
+    for row, (token, chosen, top) in enumerate(entries):
+        assert token == 3 + row
+        assert chosen == pytest.approx(float(reference[row, 3 + row]), abs=1e-5)
+        assert [t for t, _ in top] == reference[row].argsort(descending=True)[: len(top)].tolist()
+        alone = token_logprobs(x[row : row + 1], [3 + row], [len(top)])[0]
+        assert alone == (token, chosen, top)  # bit for bit
+    assert [len(top) for _, _, top in entries] == [0, 2, 5, 1]
