@@ -47,6 +47,11 @@ class EngineMetrics:
                                  "First scheduled to first token.", REQUEST_BUCKETS)
         self.decode = histogram("request_decode_time_seconds", "First token to last token.",
                                 REQUEST_BUCKETS)
+        # What `inherent diagnose` reads from /metrics as the interference phase.
+        self.interference = histogram(
+            "request_interference_time_seconds",
+            "Decode time a request lost to other requests' prefill in its steps.",
+            REQUEST_BUCKETS)
         self.running = gauge("num_requests_running", "Requests in the running batch.")
         self.waiting = gauge("num_requests_waiting", "Requests waiting to be scheduled.")
         self.kv_usage = gauge("kv_cache_usage_perc", "Fraction of KV cache blocks in use (0-1).")
@@ -79,7 +84,8 @@ class EngineMetrics:
         self.prompt_tokens.inc(num_prompt_tokens)
         for histogram, key in ((self.ttft, "ttft"), (self.tpot, "tpot"), (self.e2e, "e2e"),
                                (self.queue, "queue_time"), (self.prefill, "prefill_time"),
-                               (self.decode, "decode_time")):
+                               (self.decode, "decode_time"),
+                               (self.interference, "interference_time")):
             value = summary[key]
             if value is not None:
                 histogram.observe(value)

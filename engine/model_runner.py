@@ -134,7 +134,8 @@ class ModelRunner:
             [s.num_output_tokens for s in sampling],
             [(s.token_ids, s.num_prompt_tokens) for s in sampling],
         )
-        wanted = [i for i, s in enumerate(sampling) if s.params.logprobs is not None]
+        wanted = [i for i, s in enumerate(sampling)  # a failed row (-1) has no logprobs
+                  if s.params.logprobs is not None and tokens[i] >= 0]
         if wanted:  # each sequence keeps its tokens' logprobs, in output order
             found = token_logprobs(logits[wanted], [tokens[i] for i in wanted],
                                    [sampling[i].params.logprobs for i in wanted])

@@ -8,14 +8,28 @@ from contextlib import asynccontextmanager
 from fastapi import FastAPI, Request
 from prometheus_client import CollectorRegistry, Counter, Histogram
 
+from gateway.auth import ensure_key
 from gateway.drain import Drain, DrainMiddleware
 from gateway.errors import install_error_handlers
 from gateway.guard import RequestGuard
+from gateway.metrics import IngestionCollector
 from gateway.quotas import quotas_for
-from gateway.routes import admin, chat, health, receipts, review
+from gateway.request_context import install_request_ids
+from gateway.routes import (
+    admin,
+    chat,
+    completions,
+    embeddings,
+    health,
+    receipts,
+    review,
+    tokenize,
+)
 from gateway.schemas import ERROR_RESPONSES
 from gateway.services import Services
+from gateway.tracing import get_tracer, tracer_provider_for
 from ingest import jobs
+from provenance.db import session_scope
 from provenance.migrate import ready_schema
 from provenance.settings import Settings, get_settings
 
@@ -25,11 +39,14 @@ log = logging.getLogger("inherent.app")
 def create_app(
     settings: Settings | None = None,
     services_factory: Callable[[Settings, CollectorRegistry], Services] | None = None,
+    tracer_provider=None,
 ) -> FastAPI:
     """Build the app. Services (model, embedder, index) load in the lifespan, so importing is cheap;
-    tests pass their own ``services_factory``."""
+    tests pass their own ``services_factory`` (and a ``tracer_provider`` to read spans back)."""
     settings = settings or get_settings()
     registry = CollectorRegistry()
+    tracer_provider = tracer_provider or tracer_provider_for(settings.otel_endpoint)
+    registry.register(IngestionCollector(settings.sqlalchemy_url))
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -37,17 +54,23 @@ def create_app(
         ready_schema(settings)
         for job_id in jobs.fail_orphaned_jobs(settings):
             log.warning("ingestion job %s was left by a process that died: marked failed", job_id)
+        if settings.bootstrap_api_key:
+            with session_scope(settings.sqlalchemy_url, write=True) as session:
+                ensure_key(session, settings.api_key_tenant, settings.bootstrap_api_key)
         if services_factory is None:
             from gateway.services import build_services
 
             app.state.services = build_services(settings, registry)
         else:
             app.state.services = services_factory(settings, registry)
+        app.state.services.tracer = get_tracer(tracer_provider)
         await app.state.services.start()
         try:
             yield
         finally:
             await app.state.services.stop()
+            if tracer_provider is not None:
+                tracer_provider.shutdown()  # flushes the spans still batched
 
     docs = settings.api_docs
     app = FastAPI(
@@ -70,7 +93,8 @@ def create_app(
     install_error_handlers(app)
     app.add_middleware(RequestGuard, settings=settings)
     install_http_metrics(app, registry)
-    for module in (chat, receipts, admin, health):
+    install_request_ids(app)  # added last: the outermost middleware, so every response has it
+    for module in (chat, completions, embeddings, tokenize, receipts, admin, health):
         app.include_router(module.router, responses=ERROR_RESPONSES)
     app.mount("/review", review.console_app(), name="review")
     return app

@@ -64,6 +64,25 @@ def create_key(session: Session, tenant_id: str, scopes: list[str], name: str = 
     return CreatedKey(key_id=key_id, tenant_id=tenant_id, scopes=ordered, secret=secret)
 
 
+def ensure_key(session: Session, tenant_id: str, secret: str) -> str:
+    """The operator's own secret (`inherent serve --api-key`) as a key with every scope, made
+    once: its id derives from the secret, so restarts find it. Returns the key id."""
+    if len(secret) < 8:
+        raise ValueError("the API key must be at least 8 characters")
+    key_hash = blake3_hex(secret)
+    row = session.scalar(select(ApiKey).where(ApiKey.key_hash == key_hash))
+    if row is not None:
+        return row.id  # a revoked bootstrap key stays revoked: authenticate refuses it
+    if session.get(Tenant, tenant_id) is None:
+        session.add(Tenant(id=tenant_id, name=tenant_id))
+        session.flush()
+    key_id = key_hash[:16]
+    session.add(ApiKey(id=key_id, tenant_id=tenant_id, key_hash=key_hash, scopes=list(SCOPES),
+                       name="bootstrap"))
+    session.flush()
+    return key_id
+
+
 def authenticate(session: Session, secret: str | None) -> Principal:
     if not secret:
         raise AuthError("missing API key: send 'Authorization: Bearer <key>'")

@@ -19,6 +19,27 @@ app = typer.Typer(
 db_app = typer.Typer(help="Database schema (Alembic chain in migrations/).", no_args_is_help=True)
 keys_app = typer.Typer(help="API keys: each bound to a tenant and scopes.", no_args_is_help=True)
 audit_app = typer.Typer(help="The tamper-evident audit log.", no_args_is_help=True)
+
+
+def print_version(value: bool) -> None:
+    if value:
+        from importlib.metadata import version
+
+        typer.echo(f"inherent {version('inherent')}")
+        raise typer.Exit()
+
+
+@app.callback()
+def main(
+    _version: Annotated[
+        bool | None,
+        typer.Option("--version", callback=print_version, is_eager=True,
+                     help="Print the version and exit."),
+    ] = None,
+) -> None:
+    """Inherent: fast, accountable LLM answers."""
+
+
 app.add_typer(db_app, name="db")
 app.add_typer(keys_app, name="keys")
 app.add_typer(audit_app, name="audit")
@@ -36,10 +57,11 @@ def not_ready(what: str) -> None:
     fail(f"'{what}' is not available in this build yet", code=2)
 
 
-def ready_settings() -> Settings:
-    """Settings with the data directory made and the schema at head (migrated here only where
-    ``migrate.ready_schema`` allows it; otherwise a clear refusal)."""
-    settings = get_settings()
+def ready_settings(settings: Settings | None = None) -> Settings:
+    """Settings (the environment's, unless given) with the data directory made and the schema
+    at head (migrated here only where ``migrate.ready_schema`` allows it; otherwise a clear
+    refusal)."""
+    settings = settings or get_settings()
     settings.data_dir.mkdir(parents=True, exist_ok=True)
     try:
         migrate.ready_schema(settings)
@@ -49,7 +71,9 @@ def ready_settings() -> Settings:
 
 
 @db_app.command("upgrade")
-def db_upgrade(revision: str = "head") -> None:
+def db_upgrade(
+    revision: Annotated[str, typer.Argument(help="Target revision, as Alembic names it.")] = "head",
+) -> None:
     """Apply migrations up to REVISION (default: head)."""
     settings = get_settings()
     settings.data_dir.mkdir(parents=True, exist_ok=True)
@@ -205,27 +229,64 @@ def audit_verify_bundle(
 
 @app.command()
 def serve(
-    host: Annotated[str | None, typer.Option(help="Bind address (default: INHERENT_HOST).")] = None,
-    port: Annotated[int | None, typer.Option(help="Port (default: INHERENT_PORT).")] = None,
+    model: Annotated[str | None, typer.Option(
+        help="A GGUF file or a Hugging Face checkpoint directory (INHERENT_MODEL_PATH).")] = None,
+    served_model_name: Annotated[str | None, typer.Option(
+        help="The model's name in the API (INHERENT_SERVED_MODEL_NAME).")] = None,
+    api_key: Annotated[str | None, typer.Option(
+        help="A key with every scope for single-tenant use (INHERENT_API_KEY; "
+             "INHERENT_API_KEY_FILE reads it from a file).")] = None,
+    api_key_file: Annotated[Path | None, typer.Option(
+        help="A file holding that key (INHERENT_API_KEY_FILE).")] = None,
+    host: Annotated[str | None, typer.Option(help="Bind address (INHERENT_HOST).")] = None,
+    port: Annotated[int | None, typer.Option(help="Port (INHERENT_PORT).")] = None,
+    log_level: Annotated[str | None, typer.Option(
+        help="critical, error, warning, info or debug (INHERENT_LOG_LEVEL).")] = None,
+    log_json: Annotated[bool | None, typer.Option(
+        "--log-json/--no-log-json", help="One JSON object per log line (INHERENT_LOG_JSON).")
+    ] = None,
+    threads: Annotated[int | None, typer.Option(
+        help="CPU threads for the model (INHERENT_THREADS).")] = None,
 ) -> None:
     """Run the HTTP API (OpenAI-compatible chat with receipts, replay, admin)."""
     import uvicorn
 
     from gateway.app import create_app
     from gateway.drain import DrainingServer
+    from gateway.request_context import configure_logging
 
-    settings = ready_settings()
+    settings = serve_settings(
+        model_path=model, served_model_name=served_model_name, api_key=api_key,
+        api_key_file=str(api_key_file) if api_key_file else None, host=host, port=port,
+        log_level=log_level, log_json=log_json, threads=threads,
+    )
+    configure_logging(settings.log_level, settings.log_json)
     app = create_app(settings)
     config = uvicorn.Config(
         app,
-        host=host or settings.host,
-        port=port or settings.port,
-        log_level="info",
+        host=settings.host,
+        port=settings.port,
+        log_level=settings.log_level,
+        log_config=None,  # uvicorn's loggers reach our handler: request ids, JSON
         # The drain already waited up to shutdown_grace_s for requests in flight; this only
         # bounds what uvicorn's own shutdown waits after it.
         timeout_graceful_shutdown=5,
     )
     DrainingServer(config, app.state.drain).run()
+
+
+def serve_settings(**flags) -> Settings:
+    """The settings with the flags given on the command line in place of theirs."""
+    from pydantic import ValidationError
+
+    given = {name: value for name, value in flags.items() if value is not None}
+    try:
+        settings = Settings(**{**get_settings().model_dump(), **given})
+    except ValidationError as exc:
+        fail(str(exc))
+    if settings.api_key_file and not Path(settings.api_key_file).is_file():
+        fail(f"--api-key-file: no such file: {settings.api_key_file}")
+    return ready_settings(settings)
 
 
 ServerUrl = Annotated[
@@ -259,6 +320,9 @@ def call_api(method: str, url: str, key: str, path: str, **kwargs) -> dict:
     return payload
 
 
+JsonOption = Annotated[bool, typer.Option("--json", help="Print the server's JSON answer.")]
+
+
 @app.command()
 def ask(
     question: str,
@@ -266,8 +330,10 @@ def ask(
     key: ApiKeyOption = "",
     snapshot: Annotated[int | None, typer.Option(help="Pin retrieval to this epoch.")] = None,
     max_tokens: int = 256,
+    as_json: JsonOption = False,
 ) -> None:
-    """Ask a question against the running server; print the answer, citations and receipt id."""
+    """Ask a question against the running server; print the answer as it comes, its citations
+    and receipt id (--json: the whole completion, once it is done)."""
     body = {
         "model": "inherent",
         "messages": [{"role": "user", "content": question}],
@@ -275,12 +341,56 @@ def ask(
         "max_tokens": max_tokens,
         "inherent": {"snapshot": snapshot} if snapshot is not None else {},
     }
-    reply = call_api("POST", url, key, "/v1/chat/completions", json=body)
-    print_answer(reply)
+    if as_json:
+        reply = call_api("POST", url, key, "/v1/chat/completions", json=body)
+        typer.echo(json.dumps(reply, indent=2, ensure_ascii=False))
+        return
+    final = stream_answer(url, key, {**body, "stream": True})
+    print_sources(final)
+
+
+def stream_answer(url: str, key: str, body: dict) -> dict:
+    """Print the answer's tokens as they arrive; return the last chunk (citations, receipt)."""
+    import sys
+
+    import httpx
+
+    final: dict = {}
+    try:
+        with httpx.stream(
+            "POST", url.rstrip("/") + "/v1/chat/completions", json=body, timeout=600,
+            headers={"Authorization": f"Bearer {key}"},
+        ) as response:
+            if response.status_code >= 400:
+                response.read()
+                try:
+                    message = response.json().get("error", {}).get("message", response.text)
+                except ValueError:
+                    message = response.text[:200]
+                fail(f"{response.status_code}: {message}")
+            for line in response.iter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                chunk = json.loads(line[len("data: "):])
+                if "error" in chunk:
+                    fail(chunk["error"]["message"])
+                for choice in chunk.get("choices", []):
+                    sys.stdout.write(choice["delta"].get("content", ""))
+                    sys.stdout.flush()
+                if "receipt_id" in chunk:
+                    final = chunk
+    except httpx.HTTPError as exc:
+        fail(f"cannot reach {url}: {exc} (start it with 'inherent serve')")
+    sys.stdout.write("\n")
+    return final
 
 
 def print_answer(reply: dict) -> None:
     console.print(reply["choices"][0]["message"]["content"].strip())
+    print_sources(reply)
+
+
+def print_sources(reply: dict) -> None:
     for citation in reply.get("citations", []):
         console.print(
             f"  [{citation['index']}] {citation['title']} ({citation['source_id']} v{citation['version']})",
@@ -291,11 +401,56 @@ def print_answer(reply: dict) -> None:
 
 @app.command()
 def replay(
-    receipt_id: str, url: ServerUrl = "http://127.0.0.1:8000", key: ApiKeyOption = ""
+    receipt_id: str,
+    url: ServerUrl = "http://127.0.0.1:8000",
+    key: ApiKeyOption = "",
+    as_json: JsonOption = False,
 ) -> None:
     """Replay a receipt: same pinned context, model and sampling; print the verdict and the drift."""
     result = call_api("POST", url, key, f"/v1/receipts/{receipt_id}/replay")
+    if as_json:
+        typer.echo(json.dumps(result, indent=2, ensure_ascii=False))
+        return
     print_replay(result)
+
+
+@app.command()
+def receipts(
+    url: ServerUrl = "http://127.0.0.1:8000",
+    key: ApiKeyOption = "",
+    since: Annotated[str | None, typer.Option(help="ISO 8601 time: receipts at or after it.")] = None,
+    limit: int = 100,
+    as_json: JsonOption = False,
+) -> None:
+    """List your tenant's receipts, oldest first (scope audit)."""
+    params = {"limit": limit, **({"since": since} if since else {})}
+    listed = call_api("GET", url, key, "/v1/receipts", params=params)
+    if as_json:
+        typer.echo(json.dumps(listed, indent=2))
+        return
+    table = Table("receipt", "status", "created", "model", "snapshot")
+    for r in listed["data"]:
+        table.add_row(r["id"], r["status"], r["created_at"], r["model"], str(r["snapshot_epoch"]))
+    console.print(table)
+
+
+@app.command()
+def sources(
+    url: ServerUrl = "http://127.0.0.1:8000",
+    key: ApiKeyOption = "",
+    as_json: JsonOption = False,
+) -> None:
+    """List your tenant's sources with their newest version and status (scope admin)."""
+    listed = call_api("GET", url, key, "/admin/sources")
+    if as_json:
+        typer.echo(json.dumps(listed, indent=2))
+        return
+    table = Table("source", "version", "status", "kind", "uri")
+    for source in listed["data"]:
+        latest = source["latest"]
+        table.add_row(source["source_id"], str(latest["version"]), latest["status"],
+                      source["kind"], source["uri"])
+    console.print(table)
 
 
 def print_replay(result: dict) -> None:
@@ -415,8 +570,11 @@ def jobs(
     ] = None,
     tenant: Annotated[str | None, typer.Option(help="Only this tenant's jobs.")] = None,
     limit: int = 20,
+    as_json: Annotated[bool, typer.Option("--json", help="Print the jobs as JSON.")] = False,
 ) -> None:
     """List ingestion jobs and their progress, or show one."""
+    from dataclasses import asdict
+
     from ingest import jobs as ingest_jobs
 
     settings = ready_settings()
@@ -424,7 +582,14 @@ def jobs(
         status = ingest_jobs.get_job(settings, job_id)
         if status is None:
             fail(f"no job {job_id}")
+        if as_json:
+            typer.echo(json.dumps(asdict(status), indent=2, default=str))
+            return
         print_job(status)
+        return
+    if as_json:
+        listed = ingest_jobs.list_jobs(settings, tenant, limit)
+        typer.echo(json.dumps([asdict(s) for s in listed], indent=2, default=str))
         return
     table = Table("job", "tenant", "state", "sources", "embedded", "reused", "created")
     for status in ingest_jobs.list_jobs(settings, tenant, limit):

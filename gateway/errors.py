@@ -84,9 +84,11 @@ def install_error_handlers(app: FastAPI) -> None:
     async def validation_error(_: Request, exc: RequestValidationError) -> JSONResponse:
         first = exc.errors()[0] if exc.errors() else {"msg": "invalid request", "loc": ()}
         location = [str(p) for p in first.get("loc", ()) if p not in ("body", "query", "path")]
-        message = first.get("msg", "invalid request")
+        message = first.get("msg", "invalid request").removeprefix("Value error, ")
         if first.get("type") == "json_invalid":
             message = "the request body is not valid JSON"
+        elif first.get("type") == "extra_forbidden":
+            message = "this server does not support this field"
         param = ".".join(location) or None
         return APIError(
             400, f"{param}: {message}" if param else message, param=param, code="invalid_value"
@@ -116,4 +118,9 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(Exception)
     async def unexpected(request: Request, exc: Exception) -> JSONResponse:
-        return internal_error(f"internal error in {request.url.path}", exc).response()
+        error = internal_error(f"internal error in {request.url.path}", exc)
+        # Answered outside the middleware stack: name the request id here.
+        request_id = getattr(request.state, "request_id", None)
+        if request_id:
+            error.headers = {**(error.headers or {}), "X-Request-Id": request_id}
+        return error.response()

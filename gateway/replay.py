@@ -62,16 +62,9 @@ def plan_replay(services: Services, session: Session, receipt: Receipt) -> Repla
             f"runs weights {services.weights_hash}; replay needs the same model"
         )
     prompt, problems = rebuild_prompt(services, session, receipt)
-    sampling = body["inherent.request.sampling"]
-    params = SamplingParams(
-        max_tokens=sampling["max_tokens"],
-        temperature=sampling["temperature"],
-        top_p=sampling["top_p"],
-        top_k=sampling["top_k"],
-        seed=sampling["seed"],
-        stop=list(sampling["stop"]),
-        cache_salt=receipt.tenant_id,  # a replay reuses only its own tenant's cached prefixes
-    )
+    # Every sampling field the receipt recorded (older receipts: fewer, the rest default); a
+    # replay reuses only its own tenant's cached prefixes.
+    params = SamplingParams(**{**body["inherent.request.sampling"], "cache_salt": receipt.tenant_id})
     return ReplayPlan(
         receipt, prompt, params, not problems, problems, drift_report(services, session, receipt)
     )
@@ -89,7 +82,10 @@ def rebuild_prompt(
         chunks, problems = memory.pinned_chunks(
             session, receipt.tenant_id, body["inherent.retrieval.chunks"]
         )
-    prompt = services.prompt_from_chunks(body["inherent.request.messages"], None, chunks)
+    if body["gen_ai.operation.name"] == "text_completion":
+        prompt = services.completion_prompt(body["inherent.request.prompt"])
+    else:
+        prompt = services.prompt_from_chunks(body["inherent.request.messages"], None, chunks)
     if not problems and blake3_hex(prompt.prompt_text) != body["inherent.prompt.hash"]:
         problems.append(
             "the rebuilt prompt does not hash to the receipt's prompt hash (template or tokenizer changed)"

@@ -5,9 +5,11 @@ import time
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from opentelemetry import trace
 from prometheus_client import CollectorRegistry
 from sqlalchemy.orm import Session
 
+from gateway.metrics import GatewayMetrics
 from provenance import memory
 from provenance.receipt_writer import ReceiptWriter
 from provenance.settings import Settings, cpu_list
@@ -23,9 +25,14 @@ class Timings:
     prompt: float = 0.0
     engine: float = 0.0
     receipt: float = 0.0
+    started_ns: int = field(default_factory=time.time_ns)  # wall clock, for the trace
 
     def header(self) -> str:
-        return ", ".join(f"{name};dur={value * 1000:.2f}" for name, value in asdict(self).items())
+        return ", ".join(
+            f"{name};dur={value * 1000:.2f}"
+            for name, value in asdict(self).items()
+            if name != "started_ns"
+        )
 
 
 @dataclass(slots=True)
@@ -52,11 +59,13 @@ class Services:
     # Keeps this replica's embedded index caught up with the truth layer (several processes).
     catch_up: Any = None  # provenance.projection.CatchUpLoop | None
     receipts: ReceiptWriter = field(init=False)  # receipt commits, off the event loop
+    tracer: Any = field(default_factory=trace.NoOpTracer)  # gateway/tracing.py
 
     def __post_init__(self) -> None:
         self.receipts = ReceiptWriter(
             self.settings.sqlalchemy_url, self.settings.receipt_commit_timeout_s
         )
+        self.metrics = GatewayMetrics(self.registry)
 
     async def start(self) -> None:
         """The engine thread starts with the AsyncEngine; the catch-up loop starts here."""
@@ -80,11 +89,29 @@ class Services:
     def served_model_names(self) -> set[str]:
         return {self.model_id, "inherent"}
 
+    @property
+    def embedding_model_name(self) -> str:
+        """The embedder's name (its model_id without the weights hash)."""
+        return self.embedder.model_id.partition("@")[0]
+
+    def completion_prompt(self, prompt: str | list[int]) -> PreparedPrompt:
+        """A text completion's prompt as sent: text is tokenized as the engine would (BOS
+        included); token ids pass unchanged, their text decoded for the receipt's hash."""
+        if isinstance(prompt, str):
+            return PreparedPrompt([], prompt, self.tokenizer.encode(prompt), None, [])
+        vocab = self.tokenizer.vocab_size
+        if not all(0 <= t < vocab for t in prompt):
+            raise ValueError(f"prompt token ids must be in [0, {vocab})")
+        text = self.tokenizer.decode(prompt, skip_special_tokens=False)
+        return PreparedPrompt([], text, list(prompt), None, [])
+
     def count_tokens(self, text: str) -> int:
         return len(self.tokenizer.encode(text))
 
-    def render(self, messages: list[dict[str, str]]) -> tuple[str, list[int]]:
-        return self.tokenizer.render_chat(messages, add_generation_prompt=True)
+    def render(
+        self, messages: list[dict[str, str]], add_generation_prompt: bool = True
+    ) -> tuple[str, list[int]]:
+        return self.tokenizer.render_chat(messages, add_generation_prompt=add_generation_prompt)
 
     def prepare(
         self,
@@ -126,6 +153,9 @@ class Services:
                 retrieval.chunks, self.settings.context_token_budget, self.count_tokens
             )
             timings.retrieve = time.perf_counter() - start - timings.embed
+            self.metrics.observe(
+                timings.embed, timings.retrieve, len(retrieval.chunks), len(chunks)
+            )
         start = time.perf_counter()
         prepared = self.prompt_from_chunks(messages, retrieval, chunks)
         timings.prompt = time.perf_counter() - start
@@ -156,6 +186,7 @@ def engine_config(settings: Settings):
         num_kv_blocks=-(-settings.kv_cache_tokens // KV_BLOCK_SIZE),
         batch_invariant=settings.batch_invariant,
         max_waiting_requests=settings.max_waiting_requests,
+        num_threads=settings.threads or None,
         mode=settings.engine_mode,  # "disaggregated": LLMEngine.from_config starts the workers
         disagg_addr=settings.disagg_addr,
         disagg_port=settings.disagg_port,
@@ -205,7 +236,7 @@ def build_services(settings: Settings, registry: CollectorRegistry) -> Services:
         tokenizer=llm.tokenizer,
         embedder=embedder,
         index=index,
-        model_id=llm.model_id,
+        model_id=settings.served_model_name or llm.model_id,
         weights_hash=llm.weights_hash,
         engine_numerics=numerics(config),
         registry=registry,

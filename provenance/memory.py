@@ -231,12 +231,16 @@ def build_messages(
     A caller's own system message follows ours, so it can add instructions but not remove the
     sources. Without chunks (retrieval off or nothing found) the conversation passes unchanged.
     """
+    # "developer" is OpenAI's newer name for "system"; chat templates know only the older one.
+    conversation = [
+        {**m, "role": "system" if m["role"] == "developer" else m["role"]} for m in messages
+    ]
     if not chunks:
-        return [dict(m) for m in messages]
+        return conversation
     context = "\n\n".join(format_source(c) for c in chunks)
     return [
         {"role": "system", "content": f"{SYSTEM_PREAMBLE}\n\nSources:\n\n{context}"},
-        *[dict(m) for m in messages],
+        *conversation,
     ]
 
 

@@ -45,6 +45,9 @@ class ReceiptRecord:
     finish_reason: str | None = None
     timeline: dict[str, Any] = field(default_factory=dict)
     error: dict[str, Any] | None = None
+    operation: str = "chat"  # or "text_completion" (the legacy completions API)
+    completion_prompt: str | list[int] | None = None  # a text completion's prompt, as sent
+    request_id: str | None = None  # X-Request-Id: joins the receipt to logs and traces
 
     @property
     def status(self) -> str:
@@ -61,7 +64,7 @@ class ReceiptRecord:
             "created_at": self.created_at.isoformat(),
             "tenant_id": self.tenant_id,
             "api_key_id": self.api_key_id,
-            "gen_ai.operation.name": "chat",
+            "gen_ai.operation.name": self.operation,
             "gen_ai.provider.name": "inherent",
             "gen_ai.request.model": self.model_id,
             "gen_ai.request.temperature": self.sampling.get("temperature"),
@@ -70,12 +73,16 @@ class ReceiptRecord:
             "gen_ai.request.max_tokens": self.sampling.get("max_tokens"),
             "gen_ai.request.seed": self.sampling.get("seed"),
             "gen_ai.request.stop_sequences": self.sampling.get("stop", []),
+            "gen_ai.request.presence_penalty": self.sampling.get("presence_penalty"),
+            "gen_ai.request.frequency_penalty": self.sampling.get("frequency_penalty"),
             "gen_ai.response.id": self.receipt_id,
             "gen_ai.response.model": self.model_id,
             "gen_ai.response.finish_reasons": [self.finish_reason] if self.finish_reason else [],
             "gen_ai.usage.input_tokens": self.prompt_token_count,
             "gen_ai.usage.output_tokens": len(self.output_token_ids),
+            "inherent.request.id": self.request_id,
             "inherent.request.messages": self.messages,
+            "inherent.request.prompt": self.completion_prompt,
             "inherent.request.sampling": self.sampling,
             "inherent.model.weights_hash": self.weights_hash,
             "inherent.engine": self.engine,

@@ -108,6 +108,18 @@ class Settings(BaseSettings):
     shutdown_grace_s: float = Field(30.0, ge=0)
     # Seconds between catch-ups of a process's embedded vector index with the truth layer.
     index_sync_interval_s: float = Field(1.0, gt=0)
+    # `inherent serve` flags as vllm serve / llama-server name them (each also a setting).
+    served_model_name: str = ""  # the model's name in the API; empty: the model's own
+    # A bootstrap key for single-tenant use: accepted with every scope for `api_key_tenant`,
+    # given as the secret itself or as a file holding it (Docker/Kubernetes secrets).
+    api_key: str = Field("", repr=False)
+    api_key_file: str = ""
+    api_key_tenant: str = "default"
+    log_level: Literal["critical", "error", "warning", "info", "debug"] = "info"
+    log_json: bool = False  # one JSON object per log line
+    threads: int = Field(0, ge=0)  # torch intra-op threads; 0 = torch's default
+    # OpenTelemetry traces go to this OTLP/HTTP endpoint (http://collector:4318); empty = off.
+    otel_endpoint: str = ""
 
     # Limits on what one request may ask (SECURITY.md). Bodies over a limit get 413 before
     # they are read; an unknown key gets 401 before any body is read.
@@ -136,6 +148,12 @@ class Settings(BaseSettings):
         if self.database_url:
             return self.database_url
         return f"sqlite:///{(self.data_dir / 'inherent.db').resolve()}"
+
+    @property
+    def bootstrap_api_key(self) -> str:
+        if self.api_key_file:
+            return Path(self.api_key_file).read_text().strip()
+        return self.api_key
 
     @property
     def embedded_index_dir(self) -> Path:

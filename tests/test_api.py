@@ -85,7 +85,8 @@ def test_openai_client_streaming_ends_with_receipt_and_usage(api):
 
 def test_models_lists_the_served_model(api):
     models = openai_client(api).models.list()
-    assert [m.id for m in models.data] == [api.client.app.state.services.model_id]
+    services = api.client.app.state.services
+    assert [m.id for m in models.data] == [services.model_id, services.embedding_model_name]
 
 
 def error_of(response) -> dict:

@@ -4,7 +4,8 @@ from typer.testing import CliRunner
 
 from gateway.cli import app
 
-SUBCOMMANDS = ["serve", "ingest", "ask", "replay", "jobs", "keys", "audit", "diagnose", "db", "demo"]
+SUBCOMMANDS = ["serve", "ingest", "ask", "replay", "jobs", "keys", "audit", "diagnose", "db", "demo",
+               "sources", "receipts"]
 
 
 def test_help_lists_every_subcommand():
@@ -30,3 +31,77 @@ def test_keys_create_prints_secret_once_and_rejects_bad_scope(tmp_path, monkeypa
     bad = runner.invoke(app, ["keys", "create", "--tenant", "acme", "--scope", "root"])
     assert bad.exit_code == 1 and "scopes must be" in bad.stderr and "Traceback" not in bad.output
     get_settings.cache_clear()
+
+
+def test_version_flag_prints_the_package_version():
+    from importlib.metadata import version
+
+    result = CliRunner().invoke(app, ["--version"])
+    assert result.exit_code == 0 and result.stdout.strip() == f"inherent {version('inherent')}"
+
+
+def test_db_upgrade_takes_the_revision_as_alembic_does(tmp_path, monkeypatch):
+    monkeypatch.setenv("INHERENT_DATA_DIR", str(tmp_path))
+    monkeypatch.delenv("INHERENT_DATABASE_URL", raising=False)
+    from provenance.settings import get_settings
+
+    get_settings.cache_clear()
+    try:
+        result = CliRunner().invoke(app, ["db", "upgrade", "head"])
+        assert result.exit_code == 0, result.output
+        assert "database at revision" in result.stdout
+    finally:
+        get_settings.cache_clear()
+
+
+def test_serve_flags_become_settings_and_bootstrap_a_key(tmp_path, monkeypatch):
+    import uvicorn
+    from fastapi.testclient import TestClient
+
+    from gateway.auth import authenticate
+    from provenance.db import session_scope
+    from provenance.settings import get_settings
+
+    monkeypatch.setenv("INHERENT_DATA_DIR", str(tmp_path))
+    monkeypatch.delenv("INHERENT_DATABASE_URL", raising=False)
+    get_settings.cache_clear()
+    key_file = tmp_path / "key"
+    key_file.write_text("sk-local-secret-123\n")
+    ran = {}
+    monkeypatch.setattr(uvicorn, "run", lambda app, **kwargs: ran.update(app=app, **kwargs))
+    import gateway.request_context
+
+    monkeypatch.setattr(gateway.request_context, "configure_logging",
+                        lambda level, json_logs: ran.update(logging=(level, json_logs)))
+    try:
+        result = CliRunner().invoke(app, [
+            "serve", "--model", "/models/x.gguf", "--served-model-name", "my-model",
+            "--api-key-file", str(key_file), "--host", "0.0.0.0", "--port", "9123",
+            "--log-level", "debug", "--threads", "2", "--log-json"])
+        assert result.exit_code == 0, result.output
+        settings = ran["app"].state.settings
+        assert (settings.model_path, settings.served_model_name, settings.threads) == (
+            "/models/x.gguf", "my-model", 2)
+        assert settings.log_json and settings.bootstrap_api_key == "sk-local-secret-123"
+        assert (ran["host"], ran["port"], ran["log_level"]) == ("0.0.0.0", 9123, "debug")
+        assert ran["logging"] == ("debug", True)
+
+        class NoModel:  # the lifespan's key bootstrap needs no model
+            tracer = None
+
+            async def start(self): ...
+
+            async def stop(self): ...
+
+        from gateway.app import create_app
+
+        with TestClient(create_app(settings, services_factory=lambda s, r: NoModel())):
+            pass
+        with session_scope(settings.sqlalchemy_url) as session:
+            principal = authenticate(session, "sk-local-secret-123")
+        assert principal.tenant_id == "default"
+        assert principal.scopes == {"chat", "admin", "audit"}
+        bad = CliRunner().invoke(app, ["serve", "--log-level", "loud"])
+        assert bad.exit_code == 1 and "log_level" in bad.stderr
+    finally:
+        get_settings.cache_clear()

@@ -65,6 +65,21 @@ def test_seeded_sampling_replays_identically(api):
     assert result["verdict"] == "identical"
 
 
+def test_logprobs_penalties_and_min_tokens_replay_identically(api):
+    # Every field that changes the answer is in the receipt; replay rebuilds the same settings
+    # and the batch-invariant engine gives the same bits.
+    reply = api.chat(
+        "How do I share a file with a link?", temperature=0.8, seed=77, max_tokens=20,
+        min_tokens=12, logprobs=True, top_logprobs=2, presence_penalty=0.6,
+        frequency_penalty=0.4, repetition_penalty=1.2, logit_bias={"13": -5},
+    )
+    assert reply["usage"]["completion_tokens"] >= 12
+    assert len(reply["choices"][0]["logprobs"]["content"]) == reply["usage"]["completion_tokens"]
+    result = replay(api, reply["receipt_id"])
+    assert result["verdict"] == "identical" and result["bitwise_claim"]
+    assert result["replayed_output"] == reply["choices"][0]["message"]["content"]
+
+
 def test_bitwise_claim_needs_the_same_numerics(api, monkeypatch):
     reply = api.chat("How do I turn on SMS codes?", max_tokens=8)
     services = api.client.app.state.services

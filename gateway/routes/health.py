@@ -1,6 +1,7 @@
 """Liveness, readiness and the Prometheus exposition (engine metrics plus HTTP ones)."""
 
 from hmac import compare_digest
+from importlib.metadata import version as package_version
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
@@ -16,6 +17,20 @@ router = APIRouter(tags=["health"])
 @router.get("/healthz")
 def healthz() -> dict:
     return {"status": "ok"}
+
+
+@router.get("/health")
+def health(request: Request) -> Response:
+    """vLLM's health check (load generators such as guidellm call it first): 200 with an empty
+    body while the engine serves, 503 while it is not loaded or has stopped."""
+    services = getattr(request.app.state, "services", None)
+    serving = services is not None and services.healthy()
+    return Response(status_code=200 if serving else 503)
+
+
+@router.get("/version")
+def version() -> dict:
+    return {"version": package_version("inherent")}
 
 
 @router.get("/readyz")
