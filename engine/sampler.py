@@ -79,16 +79,19 @@ class Sampler:
             return tokens
         rows = [params[i] for i in sampled_rows]
         x = logits[sampled_rows]
-        x.div_(torch.tensor([p.temperature for p in rows]).unsqueeze(1))
+        device = x.device
+        x.div_(torch.tensor([p.temperature for p in rows], device=device).unsqueeze(1))
         probs = x.softmax(dim=-1)
         if any(p.top_k or p.top_p < 1.0 for p in rows):
             probs = truncate(probs, rows)
-        # Noise is drawn in vocabulary order, so a row's draw never depends on other rows.
-        noise = torch.empty_like(probs)
+        # Noise is drawn in vocabulary order, so a row's draw never depends on other rows; on
+        # the host (a CPU generator), so it is the same whatever device holds the logits.
+        noise = torch.empty(probs.shape, dtype=probs.dtype)
         g = self.generator
         for r, i in enumerate(sampled_rows):
             g.manual_seed(row_seed(seeds[i], output_indices[i]))
             noise[r].exponential_(generator=g)
+        noise = noise.to(device)
         # A zero draw would turn p / 0 into inf (or 0 / 0 into NaN for a truncated token).
         noise.clamp_(min=torch.finfo(noise.dtype).tiny)
         choice = probs.div_(noise).cpu().numpy().argmax(axis=1)
@@ -101,13 +104,14 @@ def truncate(probs: torch.Tensor, rows: list[SamplingParams]) -> torch.Tensor:
     """Zero the tokens outside each row's top-k and top-p sets (rows without either are
     unchanged: their cut-offs keep every token)."""
     sorted_probs, order = probs.sort(dim=-1, descending=True)
-    vocab = probs.shape[1]
-    top_k = torch.tensor([p.top_k or vocab for p in rows]).unsqueeze(1)
+    vocab, device = probs.shape[1], probs.device
+    top_k = torch.tensor([p.top_k or vocab for p in rows], device=device).unsqueeze(1)
     # top_p = 1 must keep every token even where the float cumsum rounds up to 1.
-    top_p = torch.tensor([p.top_p if p.top_p < 1.0 else 2.0 for p in rows]).unsqueeze(1)
+    top_p = torch.tensor([p.top_p if p.top_p < 1.0 else 2.0 for p in rows],
+                         device=device).unsqueeze(1)
     # Keep a token while the mass before it is below top_p (the first always stays).
     drop = (sorted_probs.cumsum(dim=-1) - sorted_probs) >= top_p
-    drop |= torch.arange(vocab).unsqueeze(0) >= top_k
+    drop |= torch.arange(vocab, device=device).unsqueeze(0) >= top_k
     return probs.scatter(1, order, sorted_probs.masked_fill_(drop, 0.0))
 
 
@@ -118,33 +122,40 @@ def process(
     """Penalties, logit bias and the min_tokens mask on `x` [R, vocab] (one row per params),
     as whole-tensor element-wise ops: each element depends on its own row only."""
     rows_n, vocab = x.shape
+
+    def tensor(values, dtype=torch.float32) -> torch.Tensor:
+        return torch.tensor(values, dtype=dtype, device=x.device)
+
     if any(p.penalized for p in rows):
         if histories is None:
             raise ValueError("penalties need each row's token history")
         # Flat indices (row * vocab + token) of every token seen, and of every output token.
-        seen = torch.cat([torch.as_tensor(list(ids), dtype=torch.int64) + r * vocab
-                          for r, (ids, _) in enumerate(histories)])
-        out = torch.cat([torch.as_tensor(list(ids[n:]), dtype=torch.int64) + r * vocab
-                         for r, (ids, n) in enumerate(histories)])
-        counts = torch.zeros(rows_n * vocab).index_add_(0, out, torch.ones(len(out)))
+        seen = torch.cat([torch.as_tensor(ids, dtype=torch.int64) + r * vocab
+                          for r, (ids, _) in enumerate(histories)]).to(x.device)
+        out = torch.cat([torch.as_tensor(ids[n:], dtype=torch.int64) + r * vocab
+                         for r, (ids, n) in enumerate(histories)]).to(x.device)
+        counts = torch.zeros(rows_n * vocab, device=x.device)
+        counts.index_add_(0, out, torch.ones(len(out), device=x.device))
         counts = counts.view(rows_n, vocab)  # exact: float32 counts integers up to 2**24
-        present = torch.zeros(rows_n * vocab, dtype=torch.bool)
+        present = torch.zeros(rows_n * vocab, dtype=torch.bool, device=x.device)
         present[seen] = True
         present = present.view(rows_n, vocab)
-        rep = torch.tensor([p.repetition_penalty for p in rows]).unsqueeze(1)
+        rep = tensor([p.repetition_penalty for p in rows]).unsqueeze(1)
         x = torch.where(present, torch.where(x > 0, x / rep, x * rep), x)
-        freq = torch.tensor([p.frequency_penalty for p in rows]).unsqueeze(1)
-        pres = torch.tensor([p.presence_penalty for p in rows]).unsqueeze(1)
+        freq = tensor([p.frequency_penalty for p in rows]).unsqueeze(1)
+        pres = tensor([p.presence_penalty for p in rows]).unsqueeze(1)
         x = x - freq * counts - pres * (counts > 0).float()
     biased = [(r, t, b) for r, p in enumerate(rows) for t, b in p.logit_bias.items()]
     if biased:
         r, t, b = zip(*biased, strict=True)
-        x = x.index_put((torch.tensor(r), torch.tensor(t)), torch.tensor(b), accumulate=True)
+        x = x.index_put((tensor(r, torch.int64), tensor(t, torch.int64)), tensor(b),
+                        accumulate=True)
     masked = [(r, t) for r, (p, i) in enumerate(zip(rows, output_indices, strict=True))
               if i < p.min_tokens for t in (*eos_token_ids, *p.stop_token_ids)]
     if masked:
         r, t = zip(*masked, strict=True)
-        x = x.index_put((torch.tensor(r), torch.tensor(t)), torch.tensor(float("-inf")))
+        x = x.index_put((tensor(r, torch.int64), tensor(t, torch.int64)),
+                        tensor(float("-inf")))
     return x
 
 
@@ -156,7 +167,8 @@ def token_logprobs(
     fp32 logits; torch computes it row by row on CPU, so a row's values do not depend on its
     batch)."""
     logprobs = torch.log_softmax(logits.float(), dim=-1)
-    chosen = logprobs.gather(1, torch.tensor(tokens).unsqueeze(1)).squeeze(1).tolist()
+    index = torch.tensor(tokens, device=logprobs.device).unsqueeze(1)
+    chosen = logprobs.gather(1, index).squeeze(1).tolist()
     width = max(k, default=0)
     top_values, top_ids = (logprobs.topk(width, dim=-1) if width else (None, None))
     return [

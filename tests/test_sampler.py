@@ -164,3 +164,35 @@ def test_logprobs_are_the_raw_log_softmax_and_row_invariant():
         alone = token_logprobs(x[row : row + 1], [3 + row], [len(top)])[0]
         assert alone == (token, chosen, top)  # bit for bit
     assert [len(top) for _, _, top in entries] == [0, 2, 5, 1]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
+def test_cuda_logits_are_processed_as_on_the_host_and_stay_row_invariant():
+    from engine.sampler import process
+
+    x = logits(5, seed=10)
+    rows = [
+        SamplingParams(temperature=0, repetition_penalty=1.3, frequency_penalty=0.5),
+        SamplingParams(temperature=0.8, presence_penalty=-0.7, seed=3, top_p=0.8),
+        SamplingParams(temperature=0),
+        SamplingParams(temperature=1.2, logit_bias={3: 5.0, 11: -100.0}, min_tokens=4),
+        SamplingParams(temperature=0.5, top_k=5, logprobs=3),
+    ]
+    histories = [([1, 2, 3, 3, 4], 2), ([7, 7, 8], 1), ([1], 1), ([2, 3], 2), ([4, 4], 1)]
+    # Element-wise IEEE operations: the processed logits are the host's, bit for bit.
+    on_host = process(x, rows, [0] * 5, histories, [0])
+    assert torch.equal(process(x.cuda(), rows, [0] * 5, histories, [0]).cpu(), on_host)
+    sampler = Sampler(eos_token_ids=[0])
+    for draw in range(20):
+        batch = sampler(x.cuda(), rows, [1, 2, 3, 4, 5], [draw] * 5, histories)
+        alone = [sampler(x[i : i + 1].cuda(), [rows[i]], [i + 1], [draw], [histories[i]])[0]
+                 for i in range(5)]
+        assert batch == alone
+        host = sampler(x, rows, [1, 2, 3, 4, 5], [draw] * 5, histories)
+        assert [batch[i] for i in (0, 2)] == [host[i] for i in (0, 2)]  # greedy rows
+    on_device = token_logprobs(x.cuda(), [1, 2, 3, 4, 5], [3] * 5)
+    for (t, value, top), (t_host, value_host, top_host) in zip(
+        on_device, token_logprobs(x, [1, 2, 3, 4, 5], [3] * 5), strict=True
+    ):
+        assert t == t_host and value == pytest.approx(value_host, abs=1e-5)
+        assert [i for i, _ in top] == [i for i, _ in top_host]
