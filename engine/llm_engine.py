@@ -66,7 +66,6 @@ class LLMEngine:
                                           config.enable_prefix_caching)
         self.scheduler = Scheduler(config, self.block_manager)
         self.model_runner = model_runner
-        model_runner.sampler.eos_token_ids = tuple(self.eos_token_ids)  # for min_tokens
         self.metrics = EngineMetrics(registry if registry is not None else CollectorRegistry(),
                                      model_id)
         self.requests: dict[str, Sequence] = {}  # unfinished requests by id

@@ -71,17 +71,19 @@ class ModelRunner:
     the rows in `batch.logits_indices`."""
 
     def __init__(self, model, kv_cache, block_size: int, num_kv_blocks: int,
-                 device: str = "cpu", vocab_size: int | None = None):
+                 device: str = "cpu", vocab_size: int | None = None,
+                 eos_token_ids: tuple[int, ...] | list[int] = ()):
         """`model.forward(ForwardBatch, kv_cache) -> logits`; `kv_cache` is whatever the model
         reads and writes, sized for `num_kv_blocks` blocks of `block_size` tokens;
-        `vocab_size` (when known) bounds the token ids a request may bring."""
+        `vocab_size` (when known) bounds the token ids a request may bring; `eos_token_ids`
+        are masked while a request is below its min_tokens."""
         self.model = model
         self.kv_cache = kv_cache
         self.block_size = block_size
         self.num_kv_blocks = num_kv_blocks
         self.device = torch.device(device)
         self.vocab_size = vocab_size
-        self.sampler = Sampler()
+        self.sampler = Sampler(eos_token_ids)
         # Called with the sampling sequences and their logits at every step (tests and benches
         # that compare logits bit for bit); None in serving.
         self.logits_hook: Callable[[list[Sequence], torch.Tensor], None] | None = None
@@ -110,7 +112,8 @@ class ModelRunner:
             checkpoint.config, config.block_size, kv_dtype)
         kv_cache = model.allocate_kv_cache(num_blocks, config.block_size, kv_dtype)
         return cls(model, kv_cache, config.block_size, num_blocks, config.device,
-                   checkpoint.config.vocab_size)
+                   checkpoint.config.vocab_size,
+                   getattr(checkpoint.tokenizer, "eos_token_ids", None) or ())
 
     @torch.inference_mode()
     def run(self, batch: ScheduledBatch) -> list[int]:

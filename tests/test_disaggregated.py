@@ -156,6 +156,23 @@ def test_seeded_sampling_and_stop_strings_match_colocated(disagg, colocated):
     assert_blocks_freed(disagg)
 
 
+def test_penalties_min_tokens_and_logprobs_match_colocated(disagg, colocated):
+    # Penalties read each worker's copy of the token history; logprobs travel in the reports.
+    batch = prompts(4, seed=5)
+    params = [SamplingParams(temperature=0.7, seed=i, max_tokens=12, min_tokens=8,
+                             repetition_penalty=1.3, frequency_penalty=0.5,
+                             presence_penalty=0.3, logprobs=2) for i in range(len(batch))]
+    expected = colocated.generate(batch, params)
+    got = disagg.generate(batch, params)
+    assert [o.token_ids for o in got] == [o.token_ids for o in expected]
+    assert all(len(o.logprobs) == len(o.token_ids) >= 8 for o in got)
+    for mine, theirs in zip(got, expected, strict=True):
+        assert [t for t, _, _ in mine.logprobs] == mine.token_ids
+        assert [[i for i, _ in top] for _, _, top in mine.logprobs] == [
+            [i for i, _ in top] for _, _, top in theirs.logprobs]
+    assert_blocks_freed(disagg)
+
+
 def test_cancelled_requests_free_their_blocks_on_both_sides(disagg):
     """Abort everything while requests sit in every stage: decoding, being pulled, offered,
     held by the prefill worker, prefilling, queued."""
