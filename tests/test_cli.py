@@ -55,10 +55,10 @@ def test_db_upgrade_takes_the_revision_as_alembic_does(tmp_path, monkeypatch):
 
 
 def test_serve_flags_become_settings_and_bootstrap_a_key(tmp_path, monkeypatch):
-    import uvicorn
     from fastapi.testclient import TestClient
 
     from gateway.auth import authenticate
+    from gateway.drain import DrainingServer
     from provenance.db import session_scope
     from provenance.settings import get_settings
 
@@ -68,7 +68,7 @@ def test_serve_flags_become_settings_and_bootstrap_a_key(tmp_path, monkeypatch):
     key_file = tmp_path / "key"
     key_file.write_text("sk-local-secret-123\n")
     ran = {}
-    monkeypatch.setattr(uvicorn, "run", lambda app, **kwargs: ran.update(app=app, **kwargs))
+    monkeypatch.setattr(DrainingServer, "run", lambda server: ran.update(config=server.config))
     import gateway.request_context
 
     monkeypatch.setattr(gateway.request_context, "configure_logging",
@@ -79,11 +79,12 @@ def test_serve_flags_become_settings_and_bootstrap_a_key(tmp_path, monkeypatch):
             "--api-key-file", str(key_file), "--host", "0.0.0.0", "--port", "9123",
             "--log-level", "debug", "--threads", "2", "--log-json"])
         assert result.exit_code == 0, result.output
-        settings = ran["app"].state.settings
+        config = ran["config"]
+        settings = config.app.state.settings
         assert (settings.model_path, settings.served_model_name, settings.threads) == (
             "/models/x.gguf", "my-model", 2)
         assert settings.log_json and settings.bootstrap_api_key == "sk-local-secret-123"
-        assert (ran["host"], ran["port"], ran["log_level"]) == ("0.0.0.0", 9123, "debug")
+        assert (config.host, config.port, config.log_level) == ("0.0.0.0", 9123, "debug")
         assert ran["logging"] == ("debug", True)
 
         class NoModel:  # the lifespan's key bootstrap needs no model
