@@ -344,7 +344,7 @@ def test_every_log_line_of_a_request_carries_its_id(api):
 
 def test_retrieval_and_ingestion_metrics(api):
     api.chat(QUESTION, max_tokens=2)
-    text = api.client.get("/metrics").text
+    text = api.client.get("/metrics", headers=api.auth("acme", "audit")).text
     samples = {}
     for line in text.splitlines():
         if line.startswith("inherent:") and " " in line:
@@ -371,7 +371,7 @@ def test_the_grafana_dashboard_reads_only_metrics_the_server_exports(api):
     used = {re.sub(r"_(bucket|sum|count|total)$", "", name)
             for e in exprs for name in re.findall(r"inherent:[a-z_]+", e)}
     exported = {re.sub(r"_total$", "", name) for name in re.findall(
-        r"^# TYPE (inherent:[a-z_]+) ", api.client.get("/metrics").text, flags=re.M)}
+        r"^# TYPE (inherent:[a-z_]+) ", api.client.get("/metrics", headers=api.auth("acme", "audit")).text, flags=re.M)}
     assert len(used) >= 15
     assert used <= exported, used - exported
 
