@@ -22,7 +22,8 @@ pytestmark = pytest.mark.slow
 @pytest.fixture(scope="module")
 def api(tmp_path_factory):
     needs_kernels()
-    yield from serve_api(tmp_path_factory, batch_invariant=True)
+    # Fifty requests of one tenant at once: above the default quota of requests in flight.
+    yield from serve_api(tmp_path_factory, batch_invariant=True, tenant_max_concurrent_requests=64)
 
 QUESTIONS = [
     "How long does a password reset link stay valid?",

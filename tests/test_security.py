@@ -182,10 +182,10 @@ def test_poisoned_requests_beside_live_streams_of_both_tenants_harm_none(api, mo
     real_sample = sampler.sample
     poisoned_seed = 666
 
-    def sample(logits, params, seeds, output_indices):
+    def sample(logits, params, seeds, output_indices, histories=None):
         if poisoned_seed in seeds:
             raise RuntimeError("poisoned row")
-        return real_sample(logits, params, seeds, output_indices)
+        return real_sample(logits, params, seeds, output_indices, histories)
 
     monkeypatch.setattr(sampler, "sample", sample)
 
