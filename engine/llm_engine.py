@@ -316,7 +316,7 @@ class LLMEngine:
         return [
             RequestOutput(s.request_id, s.output_text, s.output_token_ids, True,
                           s.finish_reason, s.num_prompt_tokens, s.num_output_tokens,
-                          finals[s.request_id].metrics,
+                          finals[s.request_id].metrics, finals[s.request_id].error,
                           s.logprobs if s.params.logprobs is not None else None)
             for s in seqs
         ]

@@ -71,6 +71,19 @@ def internal_error(what: str, exc: BaseException | None = None) -> APIError:
     )
 
 
+def database_error(exc: DBAPIError) -> APIError:
+    if not is_transient(exc):
+        return internal_error("database error", exc)
+    # Down or restarting: nothing was generated, so nothing is lost; the client retries.
+    return APIError(
+        503,
+        "the database is unavailable; retry shortly",
+        type="server_error",
+        code="database_unavailable",
+        headers={"Retry-After": str(DATABASE_RETRY_AFTER_S)},
+    )
+
+
 def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(APIError)
     async def api_error(_: Request, exc: APIError) -> JSONResponse:
@@ -104,17 +117,8 @@ def install_error_handlers(app: FastAPI) -> None:
         ).response()
 
     @app.exception_handler(DBAPIError)
-    async def database_error(_: Request, exc: DBAPIError) -> JSONResponse:
-        if not is_transient(exc):
-            return internal_error("database error", exc).response()
-        # Down or restarting: nothing was generated, so nothing is lost; the client retries.
-        return APIError(
-            503,
-            "the database is unavailable; retry shortly",
-            type="server_error",
-            code="database_unavailable",
-            headers={"Retry-After": str(DATABASE_RETRY_AFTER_S)},
-        ).response()
+    async def database_failure(_: Request, exc: DBAPIError) -> JSONResponse:
+        return database_error(exc).response()
 
     @app.exception_handler(Exception)
     async def unexpected(request: Request, exc: Exception) -> JSONResponse:

@@ -7,12 +7,13 @@ large body, and learn from the 400 what a valid one looks like, without any key.
 
 from typing import Any
 
+from sqlalchemy.exc import DBAPIError
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from gateway.auth import AuthError, Principal, authenticate
-from gateway.errors import APIError, auth_error
+from gateway.errors import APIError, auth_error, database_error
 from provenance.db import session_scope
 from provenance.settings import Settings
 
@@ -70,6 +71,8 @@ class RequestGuard:
                 principal = await run_in_threadpool(self.principal, bearer(scope))
             except AuthError as exc:
                 return await auth_error(exc).response()(scope, receive, send)
+            except DBAPIError as exc:  # the database is down: 503 and Retry-After, as in routes
+                return await database_error(exc).response()(scope, receive, send)
             scope.setdefault("state", {})["principal"] = principal
         if scope["method"] in BODYLESS_METHODS:
             return await self.app(scope, receive, send)

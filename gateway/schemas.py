@@ -329,7 +329,7 @@ class EmbeddingRequest(BaseModel):
 class TokenizeRequest(BaseModel):
     """vLLM's /tokenize: a text prompt, or chat messages rendered by the chat template."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
@@ -345,6 +345,6 @@ class TokenizeRequest(BaseModel):
 
 
 class DetokenizeRequest(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
     model: str | None = None
     tokens: list[int] = Field(min_length=1)

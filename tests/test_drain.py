@@ -42,7 +42,7 @@ def serve(tmp_path):
         settings = Settings(data_dir=tmp_path, shutdown_grace_s=grace_s)
         app = create_app(settings, services_factory=lambda *_: IdleServices())
 
-        @app.get("/v1/slow")
+        @app.get("/slow")
         async def slow() -> StreamingResponse:
             async def body():
                 for i in range(chunks):
@@ -71,14 +71,14 @@ def serve(tmp_path):
 def test_sigterm_drains_then_exits(serve):
     server, thread, url = serve(grace_s=30, chunks=8)
     assert httpx.get(f"{url}/readyz").status_code == 200
-    with httpx.Client(timeout=30) as client, client.stream("GET", f"{url}/v1/slow") as stream:
+    with httpx.Client(timeout=30) as client, client.stream("GET", f"{url}/slow") as stream:
         lines = stream.iter_lines()
         assert next(lines) == "chunk 0"
         server.handle_exit(signal.SIGTERM, None)
 
         ready = httpx.get(f"{url}/readyz")
         assert ready.status_code == 503 and ready.json()["checks"]["accepting"] is False
-        refused = httpx.get(f"{url}/v1/slow")
+        refused = httpx.get(f"{url}/slow")
         assert refused.status_code == 503
         assert refused.json()["error"]["code"] == "shutting_down"
         assert refused.headers["retry-after"] == "1"
@@ -93,7 +93,7 @@ def test_sigterm_drains_then_exits(serve):
 def test_the_grace_period_bounds_the_drain(serve):
     server, thread, url = serve(grace_s=0.5, chunks=100)  # a 20 s stream
     start = time.monotonic()
-    with httpx.Client(timeout=30) as client, client.stream("GET", f"{url}/v1/slow") as stream:
+    with httpx.Client(timeout=30) as client, client.stream("GET", f"{url}/slow") as stream:
         lines = stream.iter_lines()
         assert next(lines) == "chunk 0"
         server.handle_exit(signal.SIGTERM, None)

@@ -21,11 +21,14 @@ def healthz() -> dict:
 
 @router.get("/health")
 def health(request: Request) -> Response:
-    """vLLM's health check (load generators such as guidellm call it first): 200 with an empty
-    body while the engine serves, 503 while it is not loaded or has stopped."""
+    """vLLM's health check (load generators such as guidellm call it first): 200 while the
+    engine serves, 503 while it is not loaded or has stopped. The body says the same in the
+    JSON the OpenAPI document promises."""
     services = getattr(request.app.state, "services", None)
     serving = services is not None and services.healthy()
-    return Response(status_code=200 if serving else 503)
+    return JSONResponse(
+        {"status": "ok" if serving else "unavailable"}, status_code=200 if serving else 503
+    )
 
 
 @router.get("/version")
