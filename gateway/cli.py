@@ -9,6 +9,7 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
+from gateway.terminal import console, print_replay, print_sources
 from provenance import audit_log, migrate
 from provenance.db import session_scope
 from provenance.settings import Settings, get_settings
@@ -44,7 +45,6 @@ app.add_typer(db_app, name="db")
 app.add_typer(keys_app, name="keys")
 app.add_typer(audit_app, name="audit")
 
-console = Console()
 err_console = Console(stderr=True)
 
 
@@ -385,20 +385,6 @@ def stream_answer(url: str, key: str, body: dict) -> dict:
     return final
 
 
-def print_answer(reply: dict) -> None:
-    console.print(reply["choices"][0]["message"]["content"].strip())
-    print_sources(reply)
-
-
-def print_sources(reply: dict) -> None:
-    for citation in reply.get("citations", []):
-        console.print(
-            f"  [{citation['index']}] {citation['title']} ({citation['source_id']} v{citation['version']})",
-            style="dim",
-        )
-    console.print(f"  receipt {reply['receipt_id']}", style="cyan")
-
-
 @app.command()
 def replay(
     receipt_id: str,
@@ -451,32 +437,6 @@ def sources(
         table.add_row(source["source_id"], str(latest["version"]), latest["status"],
                       source["kind"], source["uri"])
     console.print(table)
-
-
-def print_replay(result: dict) -> None:
-    verified = "[green]verified[/]" if result["context_verified"] else "[red]NOT verified[/]"
-    console.print(f"receipt {result['receipt_id']}: context {verified}")
-    for problem in result["problems"]:
-        console.print(f"  [red]{problem}[/]")
-    if result["verdict"] is not None:
-        detail = {
-            "identical": "bit for bit: a batch-invariant receipt, replayed with the same numerics",
-            "tokens_match": "the same tokens; no bitwise claim outside batch-invariant mode",
-            "diverged": f"first difference at token {result['first_divergent_token']}",
-        }[result["verdict"]]
-        console.print(
-            f"verdict: [bold]{result['verdict']}[/] ({detail}; token agreement "
-            f"{result['token_agreement']:.0%})"
-        )
-    drift = result["drift"]
-    if drift.get("retrieval_enabled"):
-        console.print(
-            f"drift: snapshot epoch {drift['snapshot_epoch']} -> current epoch {drift['current_epoch']}; retrieval {'unchanged' if drift['retrieval_unchanged'] else 'differs now'}"
-        )
-        for source in drift["sources"]:
-            console.print(f"  {source['source_id']} v{source['cited_version']}: {source['status']}")
-            for diff in source.get("chunk_diffs", []):
-                console.print(diff["diff"], style="yellow", markup=False, highlight=False)
 
 
 TenantOption = Annotated[str, typer.Option(help="The tenant whose sources these are.")]

@@ -88,7 +88,7 @@ async def _demo(settings: Settings, console: Console) -> int:
             await ask(client, console, QUESTIONS[1])
 
             console.rule(f"Replaying receipt {receipts[1]}")
-            from gateway.cli import print_replay
+            from gateway.terminal import print_replay
 
             print_replay(await call(client, "POST", f"/v1/receipts/{receipts[1]}/replay"))
             console.rule(f"Replaying receipt {receipts[2]}")
@@ -162,7 +162,7 @@ async def ingest(client: httpx.AsyncClient, console: Console, corpus: Path, labe
 
 
 async def ask(client: httpx.AsyncClient, console: Console, question: str) -> str:
-    from gateway.cli import print_answer
+    from gateway.terminal import print_answer
 
     console.rule(question)
     reply = await call(
