@@ -19,13 +19,8 @@ import argparse
 import asyncio
 import contextlib
 import json
-import os
 import random
 import shutil
-import signal
-import socket
-import subprocess
-import sys
 import tempfile
 import time
 from dataclasses import dataclass, field
@@ -35,6 +30,7 @@ from pathlib import Path
 import httpx
 from sqlalchemy import select
 
+from bench.servers import cpu, inherent_server
 from gateway.auth import create_key
 from provenance import audit_log
 from provenance.db import session_scope
@@ -54,29 +50,6 @@ MALFORMED = [
     b'{"model": "inherent", "messages": [{"role": "wizard", "content": "hi"}]}',
     b'{"model": "inherent", "messages": [{"role": "user", "content": "hi"}], "max_tokens": -3}',
 ]
-
-
-def cpu() -> dict:
-    """The CPU this ran on (the figures depend on it; the machine may be shared)."""
-    info = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
-    model = next((line.split(":", 1)[1].strip() for line in info.splitlines()
-                  if line.startswith("model name")), "unknown")
-    flags = next((line.split(":", 1)[1].split() for line in info.splitlines()
-                  if line.startswith("flags")), [])
-    wanted = ["avx2", "avx512f", "avx512bw", "avx512vl", "avx512_vnni", "avx512_bf16", "avx512_fp16",
-              "amx_tile"]
-    return {
-        "model": model,
-        "cores": os.cpu_count(),
-        "flags": [f for f in wanted if f in flags],
-        "loadavg_start": os.getloadavg()[0],
-    }
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def rss_bytes(pid: int) -> int:
@@ -274,41 +247,11 @@ def main() -> None:
         key = create_key(session, "soak", ["chat", "admin", "audit"]).secret
     corpus = data_dir / "corpus"
     write_corpus(corpus, args.docs, revision=0)
-    port = free_port()
-    environment = {
-        **os.environ,
-        "INHERENT_DATA_DIR": str(data_dir),
-        "INHERENT_DATABASE_URL": "",
-        "INHERENT_QDRANT_URL": "",
-        "INHERENT_REDIS_URL": "",
-        "PYTHONPATH": str(REPO),
-    }
-    log = (data_dir / "server.log").open("wb")
-    server = subprocess.Popen(
-        [sys.executable, "-c", "from gateway.cli import app; app()", "serve", "--port", str(port)],
-        env=environment, cwd=REPO, stdout=log, stderr=subprocess.STDOUT,
-    )
-    base_url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 900
-        while True:
-            if server.poll() is not None or time.monotonic() > deadline:
-                raise SystemExit(f"the server did not come up:\n{(data_dir / 'server.log').read_text()[-3000:]}")
-            try:
-                if httpx.get(f"{base_url}/readyz", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.5)
+    # The re-ingestion reads the corpus by path, as an operator's job would: allow its folder.
+    with inherent_server(data_dir, extra_env={
+            "INHERENT_INGEST_ALLOWED_ROOTS": json.dumps([str(corpus)])}) as server:
         num_blocks = -(-settings.kv_cache_tokens // KV_BLOCK_SIZE)
-        run = asyncio.run(soak(args, base_url, key, server.pid, corpus, num_blocks))
-    finally:
-        server.send_signal(signal.SIGINT)  # graceful: pending receipt writes land first
-        try:
-            server.wait(120)
-        except subprocess.TimeoutExpired:
-            server.kill()
-        log.close()
+        run = asyncio.run(soak(args, server.base_url, key, server.pid, corpus, num_blocks))
 
     tally: Tally = run["tally"]
     with session_scope(settings.sqlalchemy_url) as session:

@@ -1,0 +1,269 @@
+"""Serving through the HTTP API, Inherent against vLLM's OpenAI server, under the same load.
+
+Both servers run the bundled SmolLM2-135M-Instruct on this machine, one at a time: Inherent's
+gateway (`inherent serve`, embedded default, its full chat path: query embedding, retrieval,
+receipt per request) and, when `bench/peers/vllm_cpu.sh setup` has run, vLLM's OpenAI server
+(dtype by the CPU's bf16 instructions, as the peer script chooses). One asyncio client drives
+each with `--concurrency` streams (16) of chat completions back to back for `--duration`
+seconds: prompts of `--prompt-min`..`--prompt-max` tokens (300..500, from a fixed seed, counted
+with the server's own /tokenize on the chat template), `--output-tokens` (128) each with
+`ignore_eos`, temperature 0. Every SSE event is parsed as it arrives. Streams still running at
+the deadline are closed; their tokens so far count toward throughput.
+
+Reported per server: time to first token, inter-token latency (gaps between content events)
+and time per output token ((last - first) / (tokens - 1), finished streams), p50/p95/p99, and
+output tokens per second; then the ratios. `--rounds` alternates the servers ABBA; the JSON
+carries every round and the median. Last line: one JSON object.
+
+    flock /tmp/inherent-bench.lock .venv/bin/python -m bench.serving [--duration 120]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import random
+import statistics
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+
+from bench.servers import cpu, inherent_server, vllm_peer_ready, vllm_server
+
+API_KEY = "inherent-bench-serving-key-0123456789"
+# Common English words the tokenizer keeps whole, so a prompt's length is set word by word.
+WORDS_TEXT = """
+the of and to in is was for on that with as by at from his her are be this which have not one
+had but all were when there can an your their more said time will about if out up them into do
+so some could she these two may first then any like other over new only after also most made
+many before must through back years where much way well down should because each just those
+people how too little state good very make world still own see men work long get here between
+both life being under never day same another know while last might us great old year off come
+since against go came right used take three
+"""
+WORDS = WORDS_TEXT.split()
+
+
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--concurrency", type=int, default=16)
+    parser.add_argument("--duration", type=float, default=120, help="seconds of load per round")
+    parser.add_argument("--prompt-min", type=int, default=300)
+    parser.add_argument("--prompt-max", type=int, default=500)
+    parser.add_argument("--output-tokens", type=int, default=128)
+    parser.add_argument("--prompts", type=int, default=96, help="distinct prompts, cycled")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--rounds", type=int, default=1)
+    parser.add_argument("--no-vllm", action="store_true", help="only Inherent")
+    return parser.parse_args()
+
+
+@dataclass
+class Stream:
+    sent: float
+    token_times: list[float] = field(default_factory=list)  # arrival of each content event
+    completion_tokens: int = 0
+    prompt_tokens: int = 0
+    finished: bool = False
+
+
+@dataclass
+class Target:
+    name: str
+    base_url: str
+    model: str
+    headers: dict[str, str]
+
+
+async def prompt_tokens(client: httpx.AsyncClient, target: Target, text: str) -> int:
+    response = await client.post(f"{target.base_url}/tokenize", headers=target.headers, json={
+        "model": target.model, "messages": [{"role": "user", "content": text}]})
+    response.raise_for_status()
+    return response.json()["count"]
+
+
+async def make_prompts(client: httpx.AsyncClient, target: Target, args) -> list[str]:
+    """Texts whose chat-template token counts are drawn from the range, from a fixed seed."""
+    rng = random.Random(args.seed)
+    prompts = []
+    for _ in range(args.prompts):
+        goal = rng.randint(args.prompt_min, args.prompt_max)
+        words = [rng.choice(WORDS) for _ in range(goal)]
+        for _ in range(4):  # a few corrections: the template and joins add tokens
+            count = await prompt_tokens(client, target, " ".join(words))
+            if count == goal:
+                break
+            if count > goal:
+                del words[goal - count:]
+            else:
+                words += [rng.choice(WORDS) for _ in range(goal - count)]
+        prompts.append(" ".join(words))
+    return prompts
+
+
+async def one_stream(client: httpx.AsyncClient, target: Target, text: str, max_tokens: int,
+                     streams: list[Stream]) -> None:
+    body = {
+        "model": target.model,
+        "messages": [{"role": "user", "content": text}],
+        "max_tokens": max_tokens,
+        "ignore_eos": True,
+        "temperature": 0,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    stream = Stream(sent=time.perf_counter())
+    streams.append(stream)
+    async with client.stream("POST", f"{target.base_url}/v1/chat/completions",
+                             headers=target.headers, json=body) as response:
+        if response.status_code != 200:
+            raise RuntimeError(f"{target.name}: HTTP {response.status_code} "
+                               f"{(await response.aread())[:300]!r}")
+        async for line in response.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            event = json.loads(line[6:])
+            if "error" in event:
+                raise RuntimeError(f"{target.name}: stream error {event['error']}")
+            if event.get("choices") and event["choices"][0]["delta"].get("content"):
+                stream.token_times.append(time.perf_counter())
+            if event.get("usage"):
+                stream.completion_tokens = event["usage"]["completion_tokens"]
+                stream.prompt_tokens = event["usage"]["prompt_tokens"]
+    stream.finished = True
+
+
+async def client_loop(client, target: Target, prompts: list[str], offset: int, args,
+                      streams: list[Stream]) -> None:
+    for i in range(offset, 1 << 30, args.concurrency):
+        await one_stream(client, target, prompts[i % len(prompts)], args.output_tokens, streams)
+
+
+def percentiles(values: list[float]) -> dict[str, float | None]:
+    if len(values) < 2:
+        return {"p50": values[0] if values else None, "p95": None, "p99": None}
+    cuts = statistics.quantiles(values, n=100, method="inclusive")
+    return {"p50": round(statistics.median(values), 1), "p95": round(cuts[94], 1),
+            "p99": round(cuts[98], 1)}
+
+
+def summarize(streams: list[Stream], start: float, end: float) -> dict:
+    # A finished stream counts its tokens by its usage (an event may carry several tokens); a
+    # stream closed at the deadline by the content events it had received.
+    tokens = sum(s.completion_tokens if s.finished else len(s.token_times) for s in streams)
+    done = [s for s in streams if s.finished]
+    ttft = [(s.token_times[0] - s.sent) * 1e3 for s in streams if s.token_times]
+    itl = [(b - a) * 1e3 for s in streams for a, b in zip(s.token_times, s.token_times[1:], strict=False)]
+    tpot = [(s.token_times[-1] - s.token_times[0]) * 1e3 / (len(s.token_times) - 1)
+            for s in done if len(s.token_times) > 1]
+    return {
+        "out_tok_s": round(tokens / (end - start), 2),
+        "requests_finished": len(done),
+        "requests_started": len(streams),
+        "prompt_tokens_mean": round(statistics.mean(s.prompt_tokens for s in done), 1)
+        if done else None,
+        "completion_tokens_mean": round(statistics.mean(s.completion_tokens for s in done), 1)
+        if done else None,
+        "ttft_ms": percentiles(ttft),
+        "itl_ms": percentiles(itl),
+        "tpot_ms": percentiles(tpot),
+    }
+
+
+async def load(target: Target, args) -> dict:
+    limits = httpx.Limits(max_connections=args.concurrency + 4)
+    async with httpx.AsyncClient(timeout=httpx.Timeout(600), limits=limits) as client:
+        prompts = await make_prompts(client, target, args)
+        await one_stream(client, target, prompts[0], 4, [])  # lazy start-up costs stay out
+        streams: list[Stream] = []
+        start = time.perf_counter()
+        tasks = [asyncio.create_task(client_loop(client, target, prompts, i, args, streams))
+                 for i in range(args.concurrency)]
+        await asyncio.wait(tasks, timeout=args.duration,
+                                     return_when=asyncio.FIRST_EXCEPTION)
+        end = time.perf_counter()
+        for task in tasks:
+            task.cancel()
+        for task in tasks:
+            with contextlib.suppress(asyncio.CancelledError):
+                await task  # a failure (not a cancel) surfaces here
+        await asyncio.sleep(2)  # let the server retire the closed streams before the next round
+    return summarize(streams, start, end)
+
+
+def print_row(name: str, result: dict) -> None:
+    print(f"  {name:9s} {result['out_tok_s']:7.1f} out tok/s | TTFT p50 "
+          f"{result['ttft_ms']['p50']} ms p99 {result['ttft_ms']['p99']} | ITL p50 "
+          f"{result['itl_ms']['p50']} ms p99 {result['itl_ms']['p99']} | TPOT p50 "
+          f"{result['tpot_ms']['p50']} ms | {result['requests_finished']} finished, prompt "
+          f"{result['prompt_tokens_mean']} tok", flush=True)
+
+
+def main() -> None:
+    args = parse_args()
+    with_vllm = not args.no_vllm and vllm_peer_ready()
+    if not args.no_vllm and not with_vllm:
+        print("vLLM peer not set up (bench/peers/vllm_cpu.sh setup): Inherent only", flush=True)
+    order = ["inherent", "vllm"] if with_vllm else ["inherent"]
+    machine = cpu()
+    rounds: list[dict[str, dict]] = []
+    with tempfile.TemporaryDirectory(prefix="inherent-serving-") as scratch, \
+            contextlib.ExitStack() as servers:
+        data_dir = Path(scratch)
+        targets = {"inherent": Target("inherent", servers.enter_context(
+            inherent_server(data_dir, API_KEY)).base_url, "inherent",
+            {"Authorization": f"Bearer {API_KEY}"})}
+        if with_vllm:
+            targets["vllm"] = Target("vllm", servers.enter_context(
+                vllm_server(data_dir / "vllm.log")).base_url, "smollm2", {})
+        for number in range(args.rounds):
+            names = order if number % 2 == 0 else order[::-1]  # ABBA
+            results = {}
+            print(f"round {number + 1}:", flush=True)
+            for name in names:
+                results[name] = asyncio.run(load(targets[name], args))
+                print_row(name, results[name])
+            rounds.append(results)
+
+    def median(name: str, *path: str) -> float | None:
+        values = []
+        for result in rounds:
+            value = result[name]
+            for key in path:
+                value = value[key]
+            values.append(value)
+        return statistics.median(values) if None not in values else None
+
+    summary = {
+        "out_tok_s": median("inherent", "out_tok_s"),
+        "itl_p50_ms": median("inherent", "itl_ms", "p50"),
+        "ttft_p50_ms": median("inherent", "ttft_ms", "p50"),
+        "tpot_p50_ms": median("inherent", "tpot_ms", "p50"),
+    }
+    if with_vllm:
+        summary.update({
+            "vllm_out_tok_s": median("vllm", "out_tok_s"),
+            "vllm_itl_p50_ms": median("vllm", "itl_ms", "p50"),
+            "vllm_ttft_p50_ms": median("vllm", "ttft_ms", "p50"),
+            "vllm_tpot_p50_ms": median("vllm", "tpot_ms", "p50"),
+        })
+        summary["ratio_vs_vllm"] = round(summary["out_tok_s"] / summary["vllm_out_tok_s"], 3)
+        print(f"Inherent / vLLM output tok/s: {summary['ratio_vs_vllm']:.3f}; ITL p50 "
+              f"{summary['itl_p50_ms']} vs {summary['vllm_itl_p50_ms']} ms; TTFT p50 "
+              f"{summary['ttft_p50_ms']} vs {summary['vllm_ttft_p50_ms']} ms", flush=True)
+    summary.update({
+        "concurrency": args.concurrency, "duration_s": args.duration,
+        "prompt_tokens": [args.prompt_min, args.prompt_max], "output_tokens": args.output_tokens,
+        "rounds": rounds, "cpu": machine,
+    })
+    print(json.dumps(summary))
+
+
+if __name__ == "__main__":
+    main()
