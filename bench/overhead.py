@@ -30,6 +30,7 @@ import httpx
 from engine import SamplingParams
 from gateway.app import create_app
 from gateway.auth import create_key
+from gateway.settings import ServerSettings
 from ingest import jobs
 from provenance.db import session_scope
 from provenance.migrate import ensure_schema
@@ -66,7 +67,7 @@ def server_timing(header: str) -> dict[str, float]:
 async def run(args) -> dict:
     data_dir = Path(tempfile.mkdtemp(prefix="inherent-overhead-"))
     # No prefix cache: the second run of a prompt must not be cheaper than the first.
-    settings = Settings(
+    settings = ServerSettings(
         data_dir=data_dir, database_url="", qdrant_url="", redis_url="", enable_prefix_caching=False
     )
     ensure_schema(settings.sqlalchemy_url)

@@ -32,14 +32,13 @@ from sqlalchemy import select
 
 from bench.servers import cpu, inherent_server
 from gateway.auth import create_key
+from gateway.settings import ServerSettings
 from provenance import audit_log
 from provenance.db import session_scope
 from provenance.migrate import ensure_schema
 from provenance.models import Receipt
-from provenance.settings import Settings
 
 REPO = Path(__file__).resolve().parents[1]
-KV_BLOCK_SIZE = 16
 CANCEL_SHARE, MALFORMED_SHARE = 0.10, 0.05
 TOPICS = ["billing", "sync", "sharing", "passwords", "storage", "security", "mobile app", "teams"]
 MALFORMED = [
@@ -241,7 +240,7 @@ def main() -> None:
     args = parser.parse_args()
 
     data_dir = Path(tempfile.mkdtemp(prefix="inherent-soak-"))
-    settings = Settings(data_dir=data_dir, database_url="", qdrant_url="", redis_url="")
+    settings = ServerSettings(data_dir=data_dir, database_url="", qdrant_url="", redis_url="")
     ensure_schema(settings.sqlalchemy_url)
     with session_scope(settings.sqlalchemy_url, write=True) as session:
         key = create_key(session, "soak", ["chat", "admin", "audit"]).secret
@@ -250,7 +249,7 @@ def main() -> None:
     # The re-ingestion reads the corpus by path, as an operator's job would: allow its folder.
     with inherent_server(data_dir, extra_env={
             "INHERENT_INGEST_ALLOWED_ROOTS": json.dumps([str(corpus)])}) as server:
-        num_blocks = -(-settings.kv_cache_tokens // KV_BLOCK_SIZE)
+        num_blocks = settings.engine.num_kv_blocks
         run = asyncio.run(soak(args, server.base_url, key, server.pid, corpus, num_blocks))
 
     tally: Tally = run["tally"]

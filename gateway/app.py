@@ -27,23 +27,24 @@ from gateway.routes import (
 )
 from gateway.schemas import ERROR_RESPONSES
 from gateway.services import Services
+from gateway.settings import ServerSettings
 from gateway.tracing import get_tracer, tracer_provider_for
 from ingest import jobs
 from provenance.db import session_scope
 from provenance.migrate import ready_schema
-from provenance.settings import Settings, get_settings
+from provenance.settings import get_settings
 
 log = logging.getLogger("inherent.app")
 
 
 def create_app(
-    settings: Settings | None = None,
-    services_factory: Callable[[Settings, CollectorRegistry], Services] | None = None,
+    settings: ServerSettings | None = None,
+    services_factory: Callable[[ServerSettings, CollectorRegistry], Services] | None = None,
     tracer_provider=None,
 ) -> FastAPI:
     """Build the app. Services (model, embedder, index) load in the lifespan, so importing is cheap;
     tests pass their own ``services_factory`` (and a ``tracer_provider`` to read spans back)."""
-    settings = settings or get_settings()
+    settings = settings or get_settings(ServerSettings)
     registry = CollectorRegistry()
     tracer_provider = tracer_provider or tracer_provider_for(settings.otel_endpoint)
     registry.register(IngestionCollector(settings.sqlalchemy_url))

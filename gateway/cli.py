@@ -279,9 +279,11 @@ def serve_settings(**flags) -> Settings:
     """The settings with the flags given on the command line in place of theirs."""
     from pydantic import ValidationError
 
+    from gateway.settings import ServerSettings
+
     given = {name: value for name, value in flags.items() if value is not None}
     try:
-        settings = Settings(**{**get_settings().model_dump(), **given})
+        settings = ServerSettings(**{**get_settings(ServerSettings).model_dump(), **given})
     except ValidationError as exc:
         fail(str(exc))
     if settings.api_key_file and not Path(settings.api_key_file).is_file():
@@ -621,5 +623,6 @@ def httpx_errors() -> type[Exception]:
 def demo() -> None:
     """Ingest a small corpus, ask, update an article, replay: the whole product in two minutes."""
     from gateway.demo import run_demo
+    from gateway.settings import ServerSettings
 
-    raise typer.Exit(run_demo(get_settings(), console))
+    raise typer.Exit(run_demo(get_settings(ServerSettings), console))

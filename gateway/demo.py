@@ -6,6 +6,7 @@ verify the audit log.
 """
 
 import asyncio
+import dataclasses
 import shutil
 import time
 from importlib import resources
@@ -17,9 +18,9 @@ from rich.progress import BarColumn, Progress, SpinnerColumn, TextColumn, TimeEl
 
 from gateway.app import create_app
 from gateway.auth import create_key
+from gateway.settings import ServerSettings
 from provenance.db import session_scope
 from provenance.migrate import ensure_schema
-from provenance.settings import Settings
 
 QUESTIONS = [
     "How long does a password reset link stay valid?",
@@ -32,7 +33,7 @@ UPDATED_PLANS = (
 )
 
 
-def demo_settings(base: Settings) -> Settings:
+def demo_settings(base: ServerSettings) -> ServerSettings:
     """A private embedded data dir under the configured one, fresh for every run; the engine in
     batch-invariant mode, so that replay can claim bit-identical answers."""
     data_dir = base.data_dir / "demo"
@@ -40,15 +41,15 @@ def demo_settings(base: Settings) -> Settings:
     data_dir.mkdir(parents=True)
     return base.model_copy(
         update={"data_dir": data_dir, "database_url": "", "qdrant_url": "", "redis_url": "",
-                "batch_invariant": True}
+                "engine": dataclasses.replace(base.engine, batch_invariant=True)}
     )
 
 
-def run_demo(base: Settings, console: Console) -> int:
+def run_demo(base: ServerSettings, console: Console) -> int:
     return asyncio.run(_demo(demo_settings(base), console))
 
 
-async def _demo(settings: Settings, console: Console) -> int:
+async def _demo(settings: ServerSettings, console: Console) -> int:
     started = time.perf_counter()
     corpus = settings.data_dir / "corpus"
     shutil.copytree(Path(str(resources.files("gateway") / "demo_corpus")), corpus)
@@ -111,7 +112,7 @@ async def _demo(settings: Settings, console: Console) -> int:
     return 0 if report.ok else 1
 
 
-def print_review_hint(console: Console, settings: Settings, review_key: str) -> None:
+def print_review_hint(console: Console, settings: ServerSettings, review_key: str) -> None:
     """How to see these answers in the review console: serve the demo's own data dir, with the
     demo's batch-invariant numerics so that its replays can still read identical."""
     console.rule("Review these answers in the browser")

@@ -1,4 +1,4 @@
-"""What the API needs at hand, built once at start-up from Settings: the engine, the tokenizer,
+"""What the API needs at hand, built once at start-up from its settings: the engine, the tokenizer,
 the embedder, the vector index, and a metrics registry. Tests build one with their own parts."""
 
 import time
@@ -9,10 +9,11 @@ from opentelemetry import trace
 from prometheus_client import CollectorRegistry
 from sqlalchemy.orm import Session
 
+from engine.config import EngineConfig
 from gateway.metrics import GatewayMetrics
+from gateway.settings import ServerSettings
 from provenance import memory
 from provenance.receipt_writer import ReceiptWriter
-from provenance.settings import Settings, cpu_list
 from provenance.truth import current_epoch
 
 
@@ -47,7 +48,7 @@ class PreparedPrompt:
 
 @dataclass
 class Services:
-    settings: Settings
+    settings: ServerSettings
     engine: Any  # engine.AsyncEngine
     tokenizer: Any  # engine.Tokenizer
     embedder: Any  # ingest.embedding.Embedder
@@ -168,49 +169,13 @@ class Services:
         return PreparedPrompt(final, text, ids, retrieval, list(chunks))
 
 
-KV_BLOCK_SIZE = 16  # tokens per KV block in the API's engine
-
-
-def engine_config(settings: Settings):
-    from engine import EngineConfig
-
-    return EngineConfig(
-        model=settings.model_path or None,
-        dtype=settings.model_dtype,
-        device=settings.device,
-        max_num_seqs=settings.max_num_seqs,
-        max_num_batched_tokens=settings.max_num_batched_tokens,
-        enable_chunked_prefill=settings.enable_chunked_prefill,
-        enable_prefix_caching=settings.enable_prefix_caching,
-        block_size=KV_BLOCK_SIZE,
-        num_kv_blocks=-(-settings.kv_cache_tokens // KV_BLOCK_SIZE),
-        batch_invariant=settings.batch_invariant,
-        max_waiting_requests=settings.max_waiting_requests,
-        num_threads=settings.threads or None,
-        mode=settings.engine_mode,  # "disaggregated": LLMEngine.from_config starts the workers
-        disagg_addr=settings.disagg_addr,
-        disagg_port=settings.disagg_port,
-        disagg_prefill_cpus=cpu_list(settings.disagg_prefill_cpus),
-        disagg_decode_cpus=cpu_list(settings.disagg_decode_cpus),
-        disagg_prefill_device=settings.disagg_prefill_device or None,
-        disagg_decode_device=settings.disagg_decode_device or None,
-        disagg_prefill_kv_blocks=settings.disagg_prefill_kv_blocks,
-        disagg_decode_kv_blocks=settings.disagg_decode_kv_blocks,
-        disagg_start_timeout=settings.disagg_start_timeout,
-        disagg_max_restarts=settings.disagg_max_restarts,
-        disagg_heartbeat_timeout=settings.disagg_heartbeat_timeout,
-        disagg_start_method=settings.disagg_start_method,
-    )
-
-
-def build_services(settings: Settings, registry: CollectorRegistry) -> Services:
+def build_services(settings: ServerSettings, registry: CollectorRegistry) -> Services:
     """Load the model, the embedder and the vector index named by the settings."""
     from engine import AsyncEngine, LLMEngine
     from ingest.embedding import load_embedder
     from provenance.vector_index import open_vector_index
 
-    config = engine_config(settings)
-    llm = LLMEngine.from_config(config, registry)
+    llm = LLMEngine.from_config(settings.engine, registry)
     embedder = load_embedder(settings)
     index = open_vector_index(settings, embedder.dim)
     catch_up = None
@@ -238,13 +203,13 @@ def build_services(settings: Settings, registry: CollectorRegistry) -> Services:
         index=index,
         model_id=settings.served_model_name or llm.model_id,
         weights_hash=llm.weights_hash,
-        engine_numerics=numerics(config),
+        engine_numerics=numerics(settings.engine),
         registry=registry,
         catch_up=catch_up,
     )
 
 
-def numerics(config) -> dict[str, Any]:
+def numerics(config: EngineConfig) -> dict[str, Any]:
     """The engine settings that can change output bits, as receipts record them."""
     import torch
 

@@ -1,31 +1,18 @@
-"""The one typed settings object. Environment variables use the prefix ``INHERENT_``.
+"""The settings every process shares: storage, ingestion, retrieval, the API's limits.
+Environment variables use the prefix ``INHERENT_``.
 
 The embedded default needs nothing but a data directory: SQLite, the embedded vector index,
 jobs in-process and the bundled model. Production points the same names at PostgreSQL,
-Qdrant, Redis and the operator's own weights.
+Qdrant, Redis and the operator's own weights. The API process's tree adds the engine's
+settings (``gateway.settings.ServerSettings``); an ingestion worker needs only these.
 """
 
 from functools import lru_cache
 from pathlib import Path
-from typing import Literal
+from typing import Literal, TypeVar
 
-from pydantic import Field, field_validator
+from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
-
-
-def cpu_list(text: str) -> tuple[int, ...] | None:
-    """Cores written as the kernel writes them (`taskset -c`, /sys/.../cpulist): "2", "0-3",
-    "0,2,4-5"; None for an empty string."""
-    if not text.strip():
-        return None
-    cpus: list[int] = []
-    for part in text.split(","):
-        first, _, last = part.strip().partition("-")
-        last = last or first
-        if not (first.isdigit() and last.isdigit() and int(first) <= int(last)):
-            raise ValueError(f"not a CPU list (e.g. '0-3,6'): {text!r}")
-        cpus += range(int(first), int(last) + 1)
-    return tuple(cpus)
 
 
 class Settings(BaseSettings):
@@ -43,41 +30,6 @@ class Settings(BaseSettings):
     # Seconds after which the broker hands a job whose worker died (unacknowledged) to another
     # worker; longer than the longest job, or a slow job runs twice (safely, it is idempotent).
     celery_visibility_timeout: float = Field(3600.0, gt=0)
-
-    # Model: a GGUF file or a Hugging Face checkpoint directory; empty means the bundled SmolLM2.
-    model_path: str = ""
-    model_dtype: Literal["float32", "bfloat16"] = "float32"
-    device: str = "cpu"
-    engine_mode: Literal["colocated", "disaggregated"] = "colocated"
-    # Disaggregated mode (engine/disaggregated.py; the EngineConfig fields of the same names).
-    # Rendezvous of the workers' KV-transfer group; port 0 = a free port at every (re)start.
-    disagg_addr: str = "127.0.0.1"
-    disagg_port: int = Field(0, ge=0, lt=65536)
-    # Each worker's cores (CPU), as "0-3,6"; empty = the first half of ours for prefill, the
-    # rest for decode.
-    disagg_prefill_cpus: str = ""
-    disagg_decode_cpus: str = ""
-    # Each worker's device ("cuda:1"); empty = `device` (CUDA: GPU 0 prefill, GPU 1 decode).
-    disagg_prefill_device: str = ""
-    disagg_decode_device: str = ""
-    # KV blocks of each worker's cache; unset = sized as the colocated cache.
-    disagg_prefill_kv_blocks: int | None = Field(None, gt=0)
-    disagg_decode_kv_blocks: int | None = Field(None, gt=0)
-    disagg_start_timeout: float = Field(300.0, gt=0)  # seconds to load and join the group
-    disagg_max_restarts: int = Field(3, ge=0)  # failed (re)starts in a row before giving up
-    # Seconds without progress after which a serving worker counts as hung and is restarted.
-    disagg_heartbeat_timeout: float = Field(10.0, gt=0)
-    disagg_start_method: Literal["spawn", "forkserver"] = "spawn"
-    max_num_seqs: int = Field(64, gt=0)
-    max_num_batched_tokens: int = Field(192, gt=0)
-    enable_chunked_prefill: bool = True
-    enable_prefix_caching: bool = True
-    # Same request, same bits, whatever shares its batch (engine/batch_invariant.py); replay then
-    # claims bit-identical answers instead of token agreement.
-    batch_invariant: bool = False
-    max_waiting_requests: int = Field(256, gt=0)
-    # KV cache size in tokens (all layers); 32768 tokens of SmolLM2-135M in float32 = 1.5 GB.
-    kv_cache_tokens: int = Field(32768, gt=0)
 
     # Embedding model: a sentence-transformers directory; empty means the bundled MiniLM.
     embedding_model_path: str = ""
@@ -117,7 +69,6 @@ class Settings(BaseSettings):
     api_key_tenant: str = "default"
     log_level: Literal["critical", "error", "warning", "info", "debug"] = "info"
     log_json: bool = False  # one JSON object per log line
-    threads: int = Field(0, ge=0)  # torch intra-op threads; 0 = torch's default
     # OpenTelemetry traces go to this OTLP/HTTP endpoint (http://collector:4318); empty = off.
     otel_endpoint: str = ""
 
@@ -137,12 +88,6 @@ class Settings(BaseSettings):
     # Serve /docs, /redoc and /openapi.json.
     api_docs: bool = True
 
-    @field_validator("disagg_prefill_cpus", "disagg_decode_cpus")
-    @classmethod
-    def _check_cpu_list(cls, value: str) -> str:
-        cpu_list(value)
-        return value
-
     @property
     def sqlalchemy_url(self) -> str:
         if self.database_url:
@@ -160,6 +105,11 @@ class Settings(BaseSettings):
         return self.data_dir / "vectors"
 
 
+AnySettings = TypeVar("AnySettings", bound=Settings)
+
+
 @lru_cache
-def get_settings() -> Settings:
-    return Settings()
+def get_settings(kind: type[AnySettings] = Settings) -> AnySettings:
+    """This process's settings from its environment, built and validated once: ``Settings``
+    for a worker, ``gateway.settings.ServerSettings`` for the API."""
+    return kind()

@@ -9,14 +9,14 @@ from fastapi.testclient import TestClient
 
 from gateway.app import create_app
 from gateway.auth import create_key
+from gateway.settings import ServerSettings
 from ingest import jobs
 from provenance.db import session_scope
 from provenance.migrate import ensure_schema
-from provenance.settings import Settings
 
 
 class Api:
-    def __init__(self, client: TestClient, settings: Settings, corpus: Path):
+    def __init__(self, client: TestClient, settings: ServerSettings, corpus: Path):
         self.client, self.settings, self.corpus = client, settings, corpus
         self.keys: dict[tuple[str, tuple[str, ...]], str] = {}
 
@@ -53,7 +53,7 @@ def serve_api(tmp_path_factory, ingest: bool = True, **settings):
     """A live app on a fresh embedded data dir with the demo corpus ingested for tenant acme
     (unless ``ingest`` is false)."""
     data_dir = tmp_path_factory.mktemp("inherent")
-    settings = Settings(data_dir=data_dir, database_url="", qdrant_url="", redis_url="",
+    settings = ServerSettings(data_dir=data_dir, database_url="", qdrant_url="", redis_url="",
                         **{"max_waiting_requests": 64, **settings})
     ensure_schema(settings.sqlalchemy_url)
     corpus = data_dir / "corpus"

@@ -21,8 +21,8 @@ from api_support import Api
 from engine_fixtures import write_tiny_llama
 
 from gateway.app import create_app
+from gateway.settings import ServerSettings
 from provenance.migrate import ensure_schema
-from provenance.settings import Settings
 
 CHROMIUM = Path("/usr/bin/chromium")
 
@@ -56,7 +56,7 @@ def serve_live(tmp_path_factory):
     """Yields (Api over HTTP, base URL) with the demo corpus ingested for tenant acme."""
     data_dir = tmp_path_factory.mktemp("inherent-live")
     model = write_tiny_llama(data_dir / "tiny-llama", max_position_embeddings=4096)
-    settings = Settings(data_dir=data_dir, database_url="", qdrant_url="", redis_url="",
+    settings = ServerSettings(data_dir=data_dir, database_url="", qdrant_url="", redis_url="",
                         model_path=str(model), batch_invariant=True, max_waiting_requests=64)
     ensure_schema(settings.sqlalchemy_url)
     corpus = data_dir / "corpus"

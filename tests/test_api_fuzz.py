@@ -16,9 +16,9 @@ from engine_fixtures import write_tiny_llama
 
 from gateway.app import create_app
 from gateway.auth import create_key
+from gateway.settings import ServerSettings
 from provenance.db import session_scope
 from provenance.migrate import ensure_schema
-from provenance.settings import Settings
 
 pytestmark = pytest.mark.slow
 
@@ -35,7 +35,7 @@ def free_port() -> int:
 def live_server(tmp_path_factory):
     """A real uvicorn server on the tiny model: (base URL, an all-scopes key)."""
     root = tmp_path_factory.mktemp("fuzz")
-    settings = Settings(
+    settings = ServerSettings(
         data_dir=root / "data",
         model_path=str(write_tiny_llama(root / "model", max_position_embeddings=4096)),
         database_url="",

@@ -81,7 +81,7 @@ def test_serve_flags_become_settings_and_bootstrap_a_key(tmp_path, monkeypatch):
         assert result.exit_code == 0, result.output
         config = ran["config"]
         settings = config.app.state.settings
-        assert (settings.model_path, settings.served_model_name, settings.threads) == (
+        assert (settings.engine.model, settings.served_model_name, settings.engine.num_threads) == (
             "/models/x.gguf", "my-model", 2)
         assert settings.log_json and settings.bootstrap_api_key == "sk-local-secret-123"
         assert (config.host, config.port, config.log_level) == ("0.0.0.0", 9123, "debug")

@@ -23,8 +23,7 @@ from engine.disaggregated import DisaggregatedEngine, WorkerFailure
 from engine.llm_engine import LLMEngine
 from engine.model import default_kv_cache_dtype
 from engine.sampling import SamplingParams
-from gateway.services import engine_config
-from provenance.settings import Settings
+from gateway.settings import ServerSettings
 
 # Decode cache: 40 blocks x 4 tokens. A request may need up to 80 tokens (20 blocks).
 # The tiny engines fork their workers from a server that imported torch once (restarts in ~1 s);
@@ -334,7 +333,7 @@ def test_the_disagg_settings_reach_the_engine_config(monkeypatch):
            "DISAGG_HEARTBEAT_TIMEOUT": "2.5", "DISAGG_START_METHOD": "forkserver"}
     for name, value in env.items():
         monkeypatch.setenv("INHERENT_" + name, value)
-    config = engine_config(Settings(_env_file=None))
+    config = ServerSettings(_env_file=None).engine
     assert (config.mode, config.disagg_addr, config.disagg_port) == (
         "disaggregated", "10.0.0.7", 29500)
     assert config.disagg_prefill_cpus == (0, 1, 2, 5) and config.disagg_decode_cpus == (3,)
@@ -350,7 +349,7 @@ def test_the_disagg_settings_reach_the_engine_config(monkeypatch):
         with monkeypatch.context() as m:
             m.setenv("INHERENT_" + name, value)
             with pytest.raises(ValidationError, match=name.lower()):
-                Settings(_env_file=None)
+                ServerSettings(_env_file=None)
     with pytest.raises(ValueError, match="disagg_heartbeat_timeout"):
         EngineConfig(disagg_heartbeat_timeout=0)
 

@@ -20,8 +20,7 @@ from engine.loader import load_checkpoint
 from engine.model_files import bundled_model_path
 from engine.model_runner import ModelRunner
 from engine.sampling import InvalidRequest, SamplingParams
-from gateway.services import KV_BLOCK_SIZE, engine_config
-from provenance.settings import Settings
+from gateway.settings import ServerSettings
 
 GREEDY = SamplingParams(temperature=0, max_tokens=16)
 
@@ -393,16 +392,15 @@ def test_engine_loads_from_config_and_streams_text(tiny):
 
 
 def test_kv_cache_tokens_from_the_environment_size_the_engines_cache(tiny, monkeypatch):
-    """INHERENT_KV_CACHE_TOKENS, through Settings and the API's engine config, is the number of
+    """INHERENT_KV_CACHE_TOKENS, through the server settings' engine config, is the number of
     token slots the engine allocates and schedules with (rounded up to whole blocks)."""
     monkeypatch.setenv("INHERENT_KV_CACHE_TOKENS", "1000")
     monkeypatch.setenv("INHERENT_MODEL_PATH", str(tiny.path))
-    config = engine_config(Settings())
+    config = ServerSettings().engine
     engine = LLMEngine.from_config(dataclasses.replace(config, max_model_len=256))  # tiny's limit
-    blocks = -(-1000 // KV_BLOCK_SIZE)
+    blocks = -(-1000 // config.block_size)
     assert engine.block_manager.num_blocks == engine.model_runner.num_kv_blocks == blocks
     assert all(layer.shape[0] == blocks for layer in engine.model_runner.kv_cache)
-    assert engine.config.block_size == KV_BLOCK_SIZE
 
 
 async def test_tiny_llama_cancelled_stream_frees_its_blocks(tiny):

@@ -26,6 +26,7 @@ from sqlalchemy import func, select
 
 from gateway.app import create_app
 from gateway.auth import create_key
+from gateway.settings import ServerSettings
 from ingest import jobs
 from ingest.chunking import Chunker, normalize_text
 from ingest.embedding import bundled_model_dir, load_tokenizer
@@ -156,7 +157,7 @@ def receipt_ids(database_url: str) -> set[str]:
 
 def test_postgresql_restarted_under_16_live_requests_loses_no_receipt(postgres, tmp_path):
     database_url = postgres.create_database("chat")
-    settings = Settings(
+    settings = ServerSettings(
         data_dir=tmp_path / "data",
         database_url=database_url,
         qdrant_url="",

@@ -1,0 +1,98 @@
+"""The API process's settings tree: what every process shares (``provenance.settings.Settings``)
+and, nested under ``engine``, the engine's own ``EngineConfig``, validated once, with its
+defaults in engine/config.py.
+
+The engine's fields keep the flat names the deployments use: ``INHERENT_MAX_NUM_SEQS``,
+``INHERENT_MODEL_PATH`` (``engine.model``), in the environment, in ``.env`` and as keyword
+arguments. A new engine field is read as ``INHERENT_<FIELD>`` with no edit here.
+"""
+
+import dataclasses
+from typing import Any
+
+from pydantic import Field, model_validator
+from pydantic_settings import EnvSettingsSource, PydanticBaseSettingsSource
+
+from engine.config import EngineConfig
+from provenance.settings import Settings
+
+# The flat names the settings used before the engine's fields were nested, where they differ.
+RENAMED = {"model": "model_path", "dtype": "model_dtype", "mode": "engine_mode",
+           "num_threads": "threads"}
+# The server sizes the KV cache in tokens (``kv_cache_tokens``), not in blocks or bytes.
+SIZED_BY_THE_SERVER = {"num_kv_blocks", "kv_cache_bytes"}
+# Flat name -> engine field.
+ENGINE_NAMES = {
+    RENAMED.get(f.name, f.name): f.name
+    for f in dataclasses.fields(EngineConfig)
+    if f.name not in SIZED_BY_THE_SERVER
+}
+
+
+def unset(flat_name: str, value: Any) -> bool:
+    """An empty value leaves the engine's default; so does ``threads=0``, which has always
+    meant torch's own thread count."""
+    return value == "" or (flat_name == "threads" and str(value) == "0")
+
+
+class FlatEngineVariables(PydanticBaseSettingsSource):
+    """The engine's fields from flat ``INHERENT_*`` variables, read from the sources that read
+    the other fields (the environment over ``.env``)."""
+
+    def __init__(self, settings_cls: type, *sources: EnvSettingsSource) -> None:
+        super().__init__(settings_cls)
+        self.sources = sources  # lowest priority first
+
+    def get_field_value(self, field, field_name):  # unused: __call__ reads by flat name
+        return None, field_name, False
+
+    def __call__(self) -> dict[str, Any]:
+        prefix = self.config.get("env_prefix", "").lower()
+        values: dict[str, Any] = {}
+        for source in self.sources:
+            for flat_name in ENGINE_NAMES:
+                value = source.env_vars.get(prefix + flat_name)
+                if value is not None:
+                    values[flat_name] = value
+        return values
+
+
+class ServerSettings(Settings):
+    engine: EngineConfig = Field(default_factory=EngineConfig)
+    # KV cache size in tokens (all layers); 32768 tokens of SmolLM2-135M in float32 = 1.5 GB.
+    kv_cache_tokens: int = Field(32768, gt=0)
+
+    @classmethod
+    def settings_customise_sources(
+        cls, settings_cls, init_settings, env_settings, dotenv_settings, file_secret_settings
+    ):
+        engine_variables = FlatEngineVariables(settings_cls, dotenv_settings, env_settings)
+        return init_settings, engine_variables, env_settings, dotenv_settings, file_secret_settings
+
+    @model_validator(mode="before")
+    @classmethod
+    def _nest_engine_fields(cls, data: Any) -> Any:
+        """Flat engine names (keywords or variables) go into ``engine``, over what it holds."""
+        if not isinstance(data, dict):
+            return data
+        data = dict(data)
+        engine = data.get("engine") or {}
+        if isinstance(engine, EngineConfig):
+            engine = dataclasses.asdict(engine)
+        engine = dict(engine)
+        for flat_name, field_name in ENGINE_NAMES.items():
+            if flat_name in data:
+                value = data.pop(flat_name)
+                if unset(flat_name, value):
+                    engine.pop(field_name, None)
+                else:
+                    engine[field_name] = value
+        data["engine"] = engine
+        return data
+
+    @model_validator(mode="after")
+    def _size_kv_cache(self) -> "ServerSettings":
+        blocks = -(-self.kv_cache_tokens // self.engine.block_size)
+        if self.engine.num_kv_blocks != blocks:
+            self.engine = dataclasses.replace(self.engine, num_kv_blocks=blocks)
+        return self
