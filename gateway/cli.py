@@ -1,18 +1,21 @@
-"""The ``inherent`` command line: serve the API, ingest, ask, replay, audit and operate."""
+"""The ``inherent`` command line: serve the API, ingest, ask, replay, audit and operate.
+
+Each command imports what it uses when it runs: ``inherent --help`` must answer at once, and
+the database, settings and model stacks (torch above all) take seconds to import."""
 
 import json
 from collections import Counter
 from pathlib import Path
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 from rich.console import Console
 from rich.table import Table
 
 from gateway.terminal import console, print_replay, print_sources
-from provenance import audit_log, migrate
-from provenance.db import session_scope
-from provenance.settings import Settings, get_settings
+
+if TYPE_CHECKING:
+    from provenance.settings import Settings
 
 app = typer.Typer(
     help="Inherent: fast, accountable LLM answers.", no_args_is_help=True, add_completion=False
@@ -49,18 +52,17 @@ err_console = Console(stderr=True)
 
 
 def fail(message: str, code: int = 1) -> None:
-    err_console.print(f"[bold red]error:[/] {message}")
+    err_console.print(f"[bold red]error:[/] {message}", soft_wrap=True)  # whole, for grep
     raise typer.Exit(code)
 
 
-def not_ready(what: str) -> None:
-    fail(f"'{what}' is not available in this build yet", code=2)
-
-
-def ready_settings(settings: Settings | None = None) -> Settings:
+def ready_settings(settings: "Settings | None" = None) -> "Settings":
     """Settings (the environment's, unless given) with the data directory made and the schema
     at head (migrated here only where ``migrate.ready_schema`` allows it; otherwise a clear
     refusal)."""
+    from provenance import migrate
+    from provenance.settings import get_settings
+
     settings = settings or get_settings()
     settings.data_dir.mkdir(parents=True, exist_ok=True)
     try:
@@ -75,6 +77,9 @@ def db_upgrade(
     revision: Annotated[str, typer.Argument(help="Target revision, as Alembic names it.")] = "head",
 ) -> None:
     """Apply migrations up to REVISION (default: head)."""
+    from provenance import migrate
+    from provenance.settings import get_settings
+
     settings = get_settings()
     settings.data_dir.mkdir(parents=True, exist_ok=True)
     migrate.upgrade(settings.sqlalchemy_url, revision)
@@ -84,6 +89,9 @@ def db_upgrade(
 @db_app.command("downgrade")
 def db_downgrade(revision: str) -> None:
     """Revert migrations down to REVISION ('base' removes every table)."""
+    from provenance import migrate
+    from provenance.settings import get_settings
+
     settings = get_settings()
     migrate.downgrade(settings.sqlalchemy_url, revision)
     console.print(
@@ -94,6 +102,9 @@ def db_downgrade(revision: str) -> None:
 @db_app.command("current")
 def db_current() -> None:
     """Print the database's revision and the chain's head."""
+    from provenance import migrate
+    from provenance.settings import get_settings
+
     url = get_settings().sqlalchemy_url
     console.print(
         f"current: {migrate.current_revision(url) or 'base'}  head: {migrate.head_revision(url)}"
@@ -108,6 +119,7 @@ def keys_create(
 ) -> None:
     """Create an API key and print its secret once."""
     from gateway.auth import create_key
+    from provenance.db import session_scope
 
     settings = ready_settings()
     try:
@@ -126,6 +138,7 @@ def keys_create(
 def keys_list(tenant: str | None = None) -> None:
     """List keys (never their secrets)."""
     from gateway.auth import list_keys
+    from provenance.db import session_scope
 
     settings = ready_settings()
     table = Table("key id", "tenant", "scopes", "created", "revoked")
@@ -145,6 +158,7 @@ def keys_list(tenant: str | None = None) -> None:
 def keys_revoke(key_id: str) -> None:
     """Revoke a key by id."""
     from gateway.auth import revoke_key
+    from provenance.db import session_scope
 
     settings = ready_settings()
     with session_scope(settings.sqlalchemy_url, write=True) as session:
@@ -158,6 +172,9 @@ def audit_root(
     tenant: Annotated[str | None, typer.Option(help="One tenant's log (default: every tenant's).")] = None,
 ) -> None:
     """Print each tenant's audit log size and Merkle root (publish them to detect later rewrites)."""
+    from provenance import audit_log
+    from provenance.db import session_scope
+
     settings = ready_settings()
     with session_scope(settings.sqlalchemy_url) as session:
         tenants = [tenant] if tenant else audit_log.tenants(session)
@@ -174,6 +191,9 @@ def audit_verify(
 ) -> None:
     """Recompute every leaf and subtree from the database; name any receipt or event edited,
     deleted or reordered."""
+    from provenance import audit_log
+    from provenance.db import session_scope
+
     published: dict[str, tuple[int, str]] = {}
     for given in root or []:
         tenant, _, rest = given.rpartition(":")
@@ -275,11 +295,12 @@ def serve(
     DrainingServer(config, app.state.drain).run()
 
 
-def serve_settings(**flags) -> Settings:
+def serve_settings(**flags) -> "Settings":
     """The settings with the flags given on the command line in place of theirs."""
     from pydantic import ValidationError
 
     from gateway.settings import ServerSettings
+    from provenance.settings import get_settings
 
     given = {name: value for name, value in flags.items() if value is not None}
     try:
@@ -469,7 +490,7 @@ def ingest(
         raise typer.Exit(1)
 
 
-def follow_job(settings: Settings, job_id: str):
+def follow_job(settings: "Settings", job_id: str):
     """Poll a job's row until it ends, drawing its progress."""
     import time
 
@@ -586,24 +607,11 @@ def diagnose(
     ] = None,
 ) -> None:
     """Say which phase owns the latency (queue, prefill, decode, interference), with the numbers."""
-    from gateway import diagnose as diagnosis
+    from engine.diagnosis import from_source
 
     try:
-        if source.startswith(("http://", "https://")):
-            import httpx
-
-            headers = {"Authorization": f"Bearer {token}"} if token else {}
-            reports = {
-                source: diagnosis.from_metrics(
-                    httpx.get(source, headers=headers, timeout=30).raise_for_status().text
-                )
-            }
-        else:
-            path = Path(source)
-            if not path.is_file():
-                fail(f"no such file: {source}")
-            reports = diagnosis.from_file(path)
-    except (ValueError, httpx_errors()) as exc:
+        reports = from_source(source, token)
+    except ValueError as exc:
         fail(f"cannot diagnose {source}: {exc}")
     if as_json:
         typer.echo(json.dumps(reports, indent=2, default=str))
@@ -613,16 +621,11 @@ def diagnose(
         console.print(report["verdict"])
 
 
-def httpx_errors() -> type[Exception]:
-    import httpx
-
-    return httpx.HTTPError
-
-
 @app.command()
 def demo() -> None:
     """Ingest a small corpus, ask, update an article, replay: the whole product in two minutes."""
     from gateway.demo import run_demo
     from gateway.settings import ServerSettings
+    from provenance.settings import get_settings
 
     raise typer.Exit(run_demo(get_settings(ServerSettings), console))
