@@ -30,7 +30,6 @@ import numpy as np
 from provenance import truth
 from provenance.db import get_sessionmaker
 from provenance.migrate import ensure_schema
-from provenance.models import Embedding
 from provenance.projection import CatchUpLoop, IndexProjection
 from provenance.truth import ChunkDraft, SourceDraft
 from provenance.vector_index import EdgeIndex
@@ -57,11 +56,7 @@ def epoch_drafts(epoch: int, chunks: int) -> tuple[list[SourceDraft], dict[str, 
 
 def commit(sessions, writer, drafts, vectors) -> tuple[int, float]:
     with sessions() as session, session.begin():
-        truth.insert_missing(
-            session,
-            Embedding,
-            [{"chunk_hash": h, "model_id": MODEL, "vector": v.tobytes()} for h, v in vectors.items()],
-        )
+        truth.store_vectors(session, MODEL, vectors)
     start = time.perf_counter()
     epoch = truth.commit(sessions, writer, "acme", upserts=drafts, vectors=vectors).epoch
     return epoch, time.perf_counter() - start

