@@ -32,11 +32,18 @@ import os
 import random
 import statistics
 import sys
-import time
 
 import torch
 
-from bench.interference import alternate, build_engine, make_workload, report, run, spread
+from bench.interference import (
+    alternate,
+    build_engine,
+    calibrate,
+    make_workload,
+    report,
+    run,
+    spread,
+)
 from engine import SamplingParams
 from engine.diagnosis import percentile
 from engine.disaggregated import DisaggregatedEngine
@@ -61,23 +68,6 @@ def parse_args() -> argparse.Namespace:
     args = interference.parse_args()
     args.threads = args.threads or 2
     return argparse.Namespace(**vars(args), **vars(ours))
-
-
-def calibrate(checkpoint, runner, args) -> tuple[float, float]:
-    """The colocated engine alone: the decode step of the D streams, and the prefill time of
-    a mean long prompt."""
-    rng = random.Random(args.seed + 1)
-    vocab = checkpoint.config.vocab_size
-    probe = build_engine(checkpoint, runner, False, args)
-    streams = [[rng.randrange(100, vocab - 100) for _ in range(args.decoder_prompt)]
-               for _ in range(args.decoders)]
-    outs = probe.generate(streams, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
-    decode_step = statistics.median(g for o in outs for g in o.metrics["itl"])
-    long_len = (args.long_min + args.long_max) // 2
-    start = time.perf_counter()
-    probe.generate([[rng.randrange(100, vocab - 100) for _ in range(long_len)]],
-                   SamplingParams(temperature=0, max_tokens=1))
-    return decode_step, time.perf_counter() - start
 
 
 def goodput(result: dict, ttft_slo: float, tpot_slo: float) -> float:

@@ -139,6 +139,23 @@ def report(name: str, result: dict) -> dict:
     return stats
 
 
+def calibrate(checkpoint, runner, args) -> tuple[float, float]:
+    """An engine without chunked prefill, alone: the decode step of the D streams, and the
+    prefill time of a mean long prompt."""
+    rng = random.Random(args.seed + 1)
+    vocab = checkpoint.config.vocab_size
+    probe = build_engine(checkpoint, runner, False, args)
+    streams = [[rng.randrange(100, vocab - 100) for _ in range(args.decoder_prompt)]
+               for _ in range(args.decoders)]
+    outs = probe.generate(streams, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
+    decode_step = statistics.median(g for o in outs for g in o.metrics["itl"])
+    long_len = (args.long_min + args.long_max) // 2
+    start = time.perf_counter()
+    probe.generate([[rng.randrange(100, vocab - 100) for _ in range(long_len)]],
+                   SamplingParams(temperature=0, max_tokens=1))
+    return decode_step, time.perf_counter() - start
+
+
 def main() -> None:
     args = parse_args()
     if args.threads:
@@ -151,18 +168,8 @@ def main() -> None:
     runner = chunked.model_runner
 
     # Calibrate: the decoders' pure decode step and the prefill rate, to size the schedule.
-    rng = random.Random(args.seed + 1)
-    vocab = checkpoint.config.vocab_size
-    probe = build_engine(checkpoint, runner, False, args)
-    warm = [[rng.randrange(100, vocab - 100) for _ in range(args.decoder_prompt)]
-            for _ in range(args.decoders)]
-    outs = probe.generate(warm, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
-    decode_step = statistics.median(g for o in outs for g in o.metrics["itl"])
+    decode_step, prefill_s = calibrate(checkpoint, runner, args)
     long_len = (args.long_min + args.long_max) // 2
-    t = time.perf_counter()
-    probe.generate([[rng.randrange(100, vocab - 100) for _ in range(long_len)]],
-                   SamplingParams(temperature=0, max_tokens=1))
-    prefill_s = time.perf_counter() - t
     lifetime = args.decode_tokens * decode_step
     mean_gap = lifetime / (args.long_prompts + 1)
     print(f"workload: {args.decoders} streaming requests ({args.decoder_prompt}-token prompts, "
@@ -174,7 +181,7 @@ def main() -> None:
           f"chunked budget {chunked.config.max_num_batched_tokens} tokens/step, threads "
           f"{torch.get_num_threads()}")
 
-    workload = make_workload(args, vocab, mean_gap)
+    workload = make_workload(args, checkpoint.config.vocab_size, mean_gap)
     print("long-prompt arrivals: " + ", ".join(
         f"{at:.1f} s ({len(p)} tok)" for at, kind, p, _ in workload if kind == "long"))
     labels = {"chunked": "chunked prefill",
