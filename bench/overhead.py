@@ -30,6 +30,7 @@ import httpx
 from engine import SamplingParams
 from gateway.app import create_app
 from gateway.auth import create_key
+from gateway.client import question as ask
 from gateway.settings import ServerSettings
 from ingest import jobs
 from provenance.db import session_scope
@@ -92,12 +93,7 @@ async def run(args) -> dict:
             timeout=600,
         ) as client:
             for i, question in enumerate([questions[0], *questions]):  # the first one warms up
-                body = {
-                    "model": "inherent",
-                    "messages": [{"role": "user", "content": question}],
-                    "temperature": 0,
-                    "max_tokens": args.max_tokens,
-                }
+                body = ask(question, args.max_tokens)
                 start = time.perf_counter()
                 response = await client.post("/v1/chat/completions", json=body)
                 api = time.perf_counter() - start

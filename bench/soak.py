@@ -31,7 +31,9 @@ import httpx
 from sqlalchemy import select
 
 from bench.servers import cpu, inherent_server
+from gateway import sse
 from gateway.auth import create_key
+from gateway.client import question
 from gateway.settings import ServerSettings
 from provenance import audit_log
 from provenance.db import session_scope
@@ -117,14 +119,8 @@ async def one_request(client: httpx.AsyncClient, rng: random.Random, tally: Tall
             tally.malformed_not_4xx += 1
         return
     cancel = roll < MALFORMED_SHARE + CANCEL_SHARE
-    body = {
-        "model": "inherent",
-        "messages": [{"role": "user", "content": prompt(rng)}],
-        "temperature": rng.choice([0, 0.7]),
-        "max_tokens": rng.randint(8, 64),
-        "stream": True,
-        "stream_options": {"include_usage": True},
-    }
+    body = question(prompt(rng), temperature=rng.choice([0, 0.7]), max_tokens=rng.randint(8, 64),
+                    stream=True, stream_options={"include_usage": True})
     kind = "cancelled" if cancel else "stream"
     stop_after = rng.randint(1, 4)
     async with client.stream("POST", "/v1/chat/completions", json=body) as response:
@@ -135,10 +131,10 @@ async def one_request(client: httpx.AsyncClient, rng: random.Random, tally: Tall
         receipt_id = response.headers["X-Receipt-Id"]
         events = 0
         async for line in response.aiter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
+            data = sse.payload(line)
+            if data is None:
                 continue
             events += 1
-            data = json.loads(line[6:])
             if "error" in data:
                 tally.stream_errors += 1
                 if "receipt_id" in data:

@@ -357,13 +357,10 @@ def ask(
 ) -> None:
     """Ask a question against the running server; print the answer as it comes, its citations
     and receipt id (--json: the whole completion, once it is done)."""
-    body = {
-        "model": "inherent",
-        "messages": [{"role": "user", "content": question}],
-        "temperature": 0,
-        "max_tokens": max_tokens,
-        "inherent": {"snapshot": snapshot} if snapshot is not None else {},
-    }
+    from gateway.client import question as ask_body
+
+    body = ask_body(question, max_tokens,
+                    inherent={"snapshot": snapshot} if snapshot is not None else {})
     if as_json:
         reply = call_api("POST", url, key, "/v1/chat/completions", json=body)
         typer.echo(json.dumps(reply, indent=2, ensure_ascii=False))
@@ -377,6 +374,8 @@ def stream_answer(url: str, key: str, body: dict) -> dict:
     import sys
 
     import httpx
+
+    from gateway import sse
 
     final: dict = {}
     try:
@@ -392,9 +391,9 @@ def stream_answer(url: str, key: str, body: dict) -> dict:
                     message = response.text[:200]
                 fail(f"{response.status_code}: {message}")
             for line in response.iter_lines():
-                if not line.startswith("data: ") or line == "data: [DONE]":
+                chunk = sse.payload(line)
+                if chunk is None:
                     continue
-                chunk = json.loads(line[len("data: "):])
                 if "error" in chunk:
                     fail(chunk["error"]["message"])
                 for choice in chunk.get("choices", []):

@@ -18,6 +18,7 @@ from rich.progress import BarColumn, Progress, SpinnerColumn, TextColumn, TimeEl
 
 from gateway.app import create_app
 from gateway.auth import create_key
+from gateway.client import question as client_question
 from gateway.settings import ServerSettings
 from provenance.db import session_scope
 from provenance.migrate import ensure_schema
@@ -170,12 +171,7 @@ async def ask(client: httpx.AsyncClient, console: Console, question: str) -> str
         client,
         "POST",
         "/v1/chat/completions",
-        json={
-            "model": "inherent",
-            "messages": [{"role": "user", "content": question}],
-            "temperature": 0,
-            "max_tokens": 48,
-        },
+        json=client_question(question, max_tokens=48),
     )
     print_answer(reply)
     return reply["receipt_id"]

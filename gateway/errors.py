@@ -39,8 +39,9 @@ class APIError(Exception):
         )
         self.headers = headers
 
-    def response(self) -> JSONResponse:
-        body = {
+    def body(self) -> dict[str, dict[str, str | None]]:
+        """The OpenAI error object, as a response body or a stream's error event."""
+        return {
             "error": {
                 "message": self.message,
                 "type": self.type,
@@ -48,7 +49,9 @@ class APIError(Exception):
                 "code": self.code,
             }
         }
-        return JSONResponse(body, status_code=self.status, headers=self.headers)
+
+    def response(self) -> JSONResponse:
+        return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
 
 
 def not_found(what: str) -> APIError:

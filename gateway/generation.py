@@ -5,7 +5,6 @@ choice (`ResponseShape`)."""
 
 import asyncio
 import dataclasses
-import json
 import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -16,6 +15,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.background import BackgroundTask
 
 from engine import EngineOverloaded, InvalidRequest, RequestOutput, SamplingParams
+from gateway import sse
 from gateway.auth import Principal
 from gateway.errors import APIError
 from gateway.schemas import GenerationRequest
@@ -273,13 +273,22 @@ async def _disconnected(request: Request) -> None:
 async def respond(
     services: Services,
     request: Request,
+    principal: Principal,
     body: GenerationRequest,
-    record: ReceiptRecord,
     prompt: PreparedPrompt,
-    params: SamplingParams,
     shape: ResponseShape,
+    prompt_param: str,
+    messages: list[dict[str, Any]] | None = None,
+    completion_prompt: str | list[int] | None = None,
 ) -> JSONResponse | StreamingResponse:
-    """Run the request and answer it in `shape`: one body, or SSE chunks when streaming."""
+    """Run the request on its prepared prompt and answer it in `shape`: one body, or SSE chunks
+    when streaming. `prompt_param` names the request field a too-long prompt came from; the
+    receipt records `messages` (chat) or `completion_prompt` (text completion)."""
+    params = sampling_params(
+        body, len(prompt.prompt_ids), services.max_model_len, prompt_param, principal.tenant_id
+    )
+    record = new_record(services, principal, prompt, params, request.state.request_id,
+                        messages=messages, completion_prompt=completion_prompt)
     if body.top_k > services.tokenizer.vocab_size:
         raise APIError(
             400,
@@ -366,10 +375,6 @@ async def respond(
     )
 
 
-def sse(data: dict[str, Any]) -> str:
-    return f"data: {json.dumps(data, ensure_ascii=False)}\n\n"
-
-
 async def sse_events(
     stream: AsyncIterator[RequestOutput],
     first: RequestOutput | None,
@@ -385,7 +390,7 @@ async def sse_events(
         choices = [{**choice, "finish_reason": finish_reason}] if choice is not None else []
         if continuous_usage:  # vLLM's continuous_usage_stats: the usage so far on every chunk
             extra.setdefault("usage", usage(prompt_tokens, len(record.output_token_ids)))
-        return sse({**header, "object": shape.chunk_object, "choices": choices, **extra})
+        return sse.event({**header, "object": shape.chunk_object, "choices": choices, **extra})
 
     if shape.opening is not None:
         yield chunk(shape.opening)
@@ -397,19 +402,9 @@ async def sse_events(
     except Exception as exc:
         committed = not isinstance(exc, ReceiptNotCommitted)
         error = failure(record) if committed else receipt_unavailable(exc)
-        yield sse(
-            {
-                "error": {
-                    "message": error.message,
-                    "type": error.type,
-                    "param": None,
-                    "code": error.code,
-                },
-                # Only a committed receipt is named: fail closed when there is none.
-                **({"receipt_id": record.receipt_id} if committed else {}),
-            }
-        )
-        yield "data: [DONE]\n\n"
+        # Only a committed receipt is named: fail closed when there is none.
+        yield sse.event({**error.body(), **({"receipt_id": record.receipt_id} if committed else {})})
+        yield sse.event(sse.DONE)
         return
     yield chunk(
         shape.choice("", None, final=False),
@@ -424,7 +419,7 @@ async def sse_events(
             citations=citations,
             receipt_id=record.receipt_id,
         )
-    yield "data: [DONE]\n\n"
+    yield sse.event(sse.DONE)
 
 
 async def _chain(head: list, tail: AsyncIterator) -> AsyncIterator:

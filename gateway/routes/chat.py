@@ -12,9 +12,7 @@ from gateway.deps import ChatPrincipal, ServicesDep
 from gateway.errors import APIError
 from gateway.generation import (
     check_model,
-    new_record,
     respond,
-    sampling_params,
     token_text,
     within_quota,
 )
@@ -98,17 +96,8 @@ async def chat_completions(
 
     async def answer():
         prompt = await run_in_threadpool(prepare, services, principal, body)
-        params = sampling_params(
-            body, len(prompt.prompt_ids), services.max_model_len, "messages", principal.tenant_id
-        )
-        record = new_record(
-            services,
-            principal,
-            prompt,
-            params,
-            request.state.request_id,
-            messages=[m.model_dump(exclude_none=True) for m in body.messages],
-        )
-        return await respond(services, request, body, record, prompt, params, ChatShape(services))
+        messages = [m.model_dump(exclude_none=True) for m in body.messages]
+        return await respond(services, request, principal, body, prompt, ChatShape(services),
+                             "messages", messages=messages)
 
     return await within_quota(request, principal, answer)

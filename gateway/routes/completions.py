@@ -11,9 +11,7 @@ from gateway.deps import ChatPrincipal, ServicesDep
 from gateway.errors import APIError
 from gateway.generation import (
     check_model,
-    new_record,
     respond,
-    sampling_params,
     token_text,
     within_quota,
 )
@@ -77,18 +75,8 @@ async def completions(
             prompt = await run_in_threadpool(services.completion_prompt, body.prompt)
         except ValueError as exc:
             raise APIError(400, str(exc), param="prompt", code="invalid_value") from exc
-        params = sampling_params(
-            body, len(prompt.prompt_ids), services.max_model_len, "prompt", principal.tenant_id
-        )
-        record = new_record(
-            services,
-            principal,
-            prompt,
-            params,
-            request.state.request_id,
-            completion_prompt=body.prompt,
-        )
         shape = CompletionShape(services, prompt.prompt_text if body.echo else None)
-        return await respond(services, request, body, record, prompt, params, shape)
+        return await respond(services, request, principal, body, prompt, shape, "prompt",
+                             completion_prompt=body.prompt)
 
     return await within_quota(request, principal, answer)
