@@ -146,8 +146,8 @@ def main() -> None:
                         SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
         engines = {
             "colocated": (f"colocated ({args.threads} threads, chunked prefill)", colocated),
-            "disaggregated": (f"disaggregated (prefill on cores {info['prefill']['cpus']}, "
-                              f"decode on {info['decode']['cpus']}, one thread each)", disagg),
+            "disaggregated": (f"disaggregated (prefill on cores {info['prefill'].cpus}, "
+                              f"decode on {info['decode'].cpus}, one thread each)", disagg),
         }
         for r, order in enumerate(alternate(list(engines), args.rounds), start=1):
             stats = {}

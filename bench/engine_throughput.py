@@ -133,7 +133,7 @@ def run_engine(engine: LLMEngine, prompts: list[list[int]], output_tokens: int) 
 def batch1_decode_ms(engine: LLMEngine, prompt: list[int]) -> float:
     out = engine.generate([prompt], SamplingParams(temperature=0, max_tokens=64,
                                                    ignore_eos=True))[0]
-    return statistics.median(out.metrics["itl"]) * 1e3
+    return statistics.median(out.metrics.itl) * 1e3
 
 
 def transformers_model(checkpoint):

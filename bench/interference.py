@@ -106,7 +106,7 @@ def run(engine: LLMEngine, workload: list[tuple]) -> dict:
             continue
         for out in engine.step():
             if out.finished:
-                finished.append(out.metrics | {"kind": kinds[out.request_id]})
+                finished.append(out.metrics.to_dict() | {"kind": kinds[out.request_id]})
     makespan = time.perf_counter() - start
     return {"summaries": finished, "makespan": makespan,
             "out_tokens": sum(s["num_output_tokens"] for s in finished)}
@@ -148,7 +148,7 @@ def calibrate(checkpoint, runner, args) -> tuple[float, float]:
     streams = [[rng.randrange(100, vocab - 100) for _ in range(args.decoder_prompt)]
                for _ in range(args.decoders)]
     outs = probe.generate(streams, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
-    decode_step = statistics.median(g for o in outs for g in o.metrics["itl"])
+    decode_step = statistics.median(g for o in outs for g in o.metrics.itl)
     long_len = (args.long_min + args.long_max) // 2
     start = time.perf_counter()
     probe.generate([[rng.randrange(100, vocab - 100) for _ in range(long_len)]],

@@ -26,12 +26,8 @@ stamps it at every turn (every `tick` seconds while idle) and at every decoder l
 a transfer started. A frozen process or a forward or transfer that never returns stops the
 stamps, whatever its other threads still do.
 
-Messages are tuples, kind first. Front to worker: ("add", id, prompt ids, params, arrival),
-("abort", id), ("release", id), ("send", id, tag), ("offer", id, token ids, num prompt tokens,
-params, first token time), ("inspect",), ("stop",). Worker to front: ("hello", info),
-("step", stats, reports), ("pull", id, tag), ("release", id), ("transferred", id, start, end,
-bytes), ("inspect", info), ("fatal", traceback). A report is (id, token, time, interfered,
-the worker's finish reason or None, prefill facts on a first token or None).
+The messages are the dataclasses of engine/disagg_messages.py; the worker's own threads (the
+listener, the KV sender and receiver) post theirs, below, to the same inbox as the front's.
 """
 
 import contextlib
@@ -47,6 +43,25 @@ from dataclasses import dataclass
 import torch
 
 from engine.config import EngineConfig
+from engine.disagg_messages import (
+    Abort,
+    Add,
+    Fatal,
+    Hello,
+    Inspect,
+    Inspection,
+    Offer,
+    PrefillFacts,
+    Pull,
+    Release,
+    Send,
+    StepReport,
+    Stop,
+    TokenReport,
+    ToWorker,
+    Transferred,
+    WorkerStats,
+)
 from engine.kv_transfer import (
     DECODE_RANK,
     PREFILL_RANK,
@@ -57,6 +72,28 @@ from engine.kv_transfer import (
 from engine.llm_engine import LLMEngine, RequestOutput
 from engine.sequence import Sequence, SequenceStatus
 from engine.timeline import now
+
+
+@dataclass(frozen=True, slots=True)
+class Sent:
+    """The sender thread shipped a held request's KV: its blocks may go."""
+
+    request_id: str
+
+
+@dataclass(frozen=True, slots=True)
+class Received:
+    """The receiver thread wrote a request's KV into its blocks."""
+
+    request_id: str
+    end: float
+    num_bytes: int
+
+
+@dataclass(frozen=True, slots=True)
+class TransferFailed:
+    request_id: str
+    error: str
 
 
 @dataclass(slots=True)
@@ -147,7 +184,7 @@ def worker_main(spec: WorkerSpec, conn, heartbeat: Heartbeat) -> None:
     except BaseException:
         code = 1
         with contextlib.suppress(Exception):  # the front may be gone too
-            conn.send(("fatal", traceback.format_exc()))
+            conn.send(Fatal(traceback.format_exc()))
     # Skip interpreter teardown: a transfer thread may sit in a gloo call to a dead peer.
     os._exit(code)
 
@@ -179,7 +216,7 @@ class Worker:
         self.inbox: queue.SimpleQueue = queue.SimpleQueue()
         self.seqs: dict[str, Sequence] = {}  # what the engine runs, to read timelines at the end
         self.held: dict[str, Sequence] = {}  # prefill: finished prefills waiting for hand-off
-        self.offers: dict[str, tuple] = {}  # decode: offers not admitted yet, in arrival order
+        self.offers: dict[str, Offer] = {}  # decode: offers not admitted yet, in arrival order
         self.receiving: dict[str, tuple[Sequence, float]] = {}  # decode: pulled, not arrived
         self.cancelled: set[str] = set()  # decode: aborted while their KV is on the way
         self.next_tag = 0
@@ -194,10 +231,8 @@ class Worker:
                                        self._transfer_failed, heartbeat.transfer)
         threading.Thread(target=self._listen, name="inherent-worker-listen", daemon=True).start()
         heartbeat.beat()  # before the hello: the front watches the heartbeat from then on
-        conn.send(("hello", {"pid": os.getpid(), "role": self.role,
-                             "num_kv_blocks": runner.num_kv_blocks, "device": config.device,
-                             "threads": torch.get_num_threads(),
-                             "cpus": sorted(os.sched_getaffinity(0))}))
+        conn.send(Hello(os.getpid(), self.role, runner.num_kv_blocks, config.device,
+                        torch.get_num_threads(), tuple(sorted(os.sched_getaffinity(0)))))
 
     # -- messages -------------------------------------------------------------------------------
 
@@ -208,67 +243,63 @@ class Worker:
             try:
                 msg = self.conn.recv()
             except (EOFError, OSError):  # the front is gone
-                msg = ("stop",)
-            if msg[0] == "send":
-                _, request_id, tag = msg
-                seq = self.held.get(request_id)
-                if seq is None:
-                    self.inbox.put(("transfer_failed", request_id, "no such hand-off"))
-                else:
-                    self.sender.submit(request_id, list(seq.block_table), tag)
-                continue
-            self.inbox.put(msg)
-            if msg[0] == "stop":
-                return
+                msg = Stop()
+            match msg:
+                case Send(request_id, tag):
+                    seq = self.held.get(request_id)
+                    if seq is None:
+                        self.inbox.put(TransferFailed(request_id, "no such hand-off"))
+                    else:
+                        self.sender.submit(request_id, list(seq.block_table), tag)
+                case Stop():
+                    self.inbox.put(msg)
+                    return
+                case _:
+                    self.inbox.put(msg)
 
     def _sent(self, request_id: str) -> None:
-        self.inbox.put(("sent", request_id))
+        self.inbox.put(Sent(request_id))
 
     def _received(self, request_id: str, end: float, num_bytes: int) -> None:
-        self.inbox.put(("received", request_id, end, num_bytes))
+        self.inbox.put(Received(request_id, end, num_bytes))
 
     def _transfer_failed(self, request_id: str, error) -> None:
-        self.inbox.put(("transfer_failed", request_id, repr(error)))
+        self.inbox.put(TransferFailed(request_id, repr(error)))
 
-    def _handle(self, msg: tuple) -> None:
-        kind = msg[0]
+    def _handle(self, msg: ToWorker | Sent | Received | TransferFailed) -> None:
         engine = self.engine
-        if kind == "add":
-            _, request_id, token_ids, params, arrival = msg
-            engine.add_request(token_ids, params, request_id, arrival)
-            self.seqs[request_id] = engine.requests[request_id]
-        elif kind == "abort":
-            request_id = msg[1]
-            if request_id in engine.requests:
-                engine.abort_request(request_id)
-            elif request_id in self.offers:  # decode: never pulled, the prefill side may free it
-                del self.offers[request_id]
-                self.conn.send(("release", request_id))
-            elif request_id in self.receiving:
-                self.cancelled.add(request_id)
-            elif request_id in self.held:  # prefill: never offered (the front had no report)
-                engine.block_manager.free_seq(self.held.pop(request_id))
-        elif kind in ("release", "sent"):
-            seq = self.held.pop(msg[1], None)
-            if seq is not None:
-                engine.block_manager.free_seq(seq)
-        elif kind == "offer":
-            self.offers[msg[1]] = msg[1:]
-        elif kind == "received":
-            self._adopt(*msg[1:])
-        elif kind == "inspect":
-            bm = engine.block_manager
-            self.conn.send(("inspect", {
-                "role": self.role, "num_blocks": bm.num_blocks,
-                "num_free_blocks": bm.num_free_blocks,
-                "blocks_referenced": sum(1 for b in bm.blocks if b.ref_count),
-                "requests": len(engine.requests), "held": len(self.held),
-                "offers": len(self.offers), "receiving": len(self.receiving),
-            }))
-        elif kind == "transfer_failed":
-            raise RuntimeError(f"KV transfer of request {msg[1]} failed: {msg[2]}")
-        elif kind == "stop":
-            self.stopping = True
+        match msg:
+            case Add(request_id, token_ids, params, arrival):
+                engine.add_request(token_ids, params, request_id, arrival)
+                self.seqs[request_id] = engine.requests[request_id]
+            case Abort(request_id):
+                if request_id in engine.requests:
+                    engine.abort_request(request_id)
+                elif request_id in self.offers:  # decode: never pulled, the prefill side may free it
+                    del self.offers[request_id]
+                    self.conn.send(Release(request_id))
+                elif request_id in self.receiving:
+                    self.cancelled.add(request_id)
+                elif request_id in self.held:  # prefill: never offered (the front had no report)
+                    engine.block_manager.free_seq(self.held.pop(request_id))
+            case Release(request_id) | Sent(request_id):
+                seq = self.held.pop(request_id, None)
+                if seq is not None:
+                    engine.block_manager.free_seq(seq)
+            case Offer(request_id):
+                self.offers[request_id] = msg
+            case Received(request_id, end, num_bytes):
+                self._adopt(request_id, end, num_bytes)
+            case Inspect():
+                bm = engine.block_manager
+                self.conn.send(Inspection(
+                    self.role, bm.num_blocks, bm.num_free_blocks,
+                    sum(1 for b in bm.blocks if b.ref_count), len(engine.requests),
+                    len(self.held), len(self.offers), len(self.receiving)))
+            case TransferFailed(request_id, error):
+                raise RuntimeError(f"KV transfer of request {request_id} failed: {error}")
+            case Stop():
+                self.stopping = True
 
     # -- the decode worker's admission ----------------------------------------------------------
 
@@ -280,25 +311,26 @@ class Worker:
         engine = self.engine
         bm = engine.block_manager
         while self.offers:
-            request_id, token_ids, num_prompt, params, first_token_at = next(
-                iter(self.offers.values()))
+            offer = next(iter(self.offers.values()))
             if len(engine.scheduler.running) + len(self.receiving) >= engine.config.max_num_seqs:
                 return
             in_flight = [*engine.requests.values(), *(s for s, _ in self.receiving.values())]
             promised = sum(self._lifetime_blocks(s.num_prompt_tokens, s.params)
                            - len(s.block_table) for s in in_flight)
-            if bm.num_free_blocks - promised < self._lifetime_blocks(num_prompt, params):
+            needed = self._lifetime_blocks(offer.num_prompt_tokens, offer.params)
+            if bm.num_free_blocks - promised < needed:
                 return  # back-pressure: the prefill worker keeps holding it
+            request_id, num_prompt = offer.request_id, offer.num_prompt_tokens
             del self.offers[request_id]
-            seq = Sequence(request_id, list(token_ids), params, params.seed,
+            seq = Sequence(request_id, list(offer.token_ids), offer.params, offer.params.seed,
                            num_prompt_tokens=num_prompt)
-            seq.timeline.token_times.append(first_token_at)
+            seq.timeline.token_times.append(offer.first_token_at)
             bm.allocate(seq, num_prompt)
             self.receiving[request_id] = (seq, now())
             tag = self.next_tag
             self.next_tag += 1
             self.receiver.submit(request_id, list(seq.block_table), tag)
-            self.conn.send(("pull", request_id, tag))
+            self.conn.send(Pull(request_id, tag))
 
     def _adopt(self, request_id: str, end: float, num_bytes: int) -> None:
         """Its KV is in its blocks: it decodes from the next step on."""
@@ -310,7 +342,7 @@ class Worker:
         seq.num_computed_tokens = seq.num_prompt_tokens
         adopt(self.engine, seq)
         self.seqs[request_id] = seq
-        self.conn.send(("transferred", request_id, start, end, num_bytes))
+        self.conn.send(Transferred(request_id, start, end, num_bytes))
 
     # -- the loop -------------------------------------------------------------------------------
 
@@ -338,7 +370,7 @@ class Worker:
             clean = getattr(engine, "_num_prefill_steps", 0) == prefill_steps
             self._report(outputs, now() - start if clean else None)
 
-    def _messages(self, block: bool) -> list[tuple]:
+    def _messages(self, block: bool) -> list[ToWorker | Sent | Received | TransferFailed]:
         """What the inbox holds; with `block`, wait up to a heartbeat tick for a message."""
         messages = []
         try:
@@ -361,24 +393,22 @@ class Worker:
                 timeline = seq.timeline
                 prefill = None
                 if self.role == "prefill":
-                    prefill = (timeline.first_scheduled,
-                               [(c.step, c.num_tokens, c.start, c.end)
-                                for c in timeline.prefill_chunks],
-                               timeline.num_cached_tokens, timeline.num_preemptions)
+                    prefill = PrefillFacts(timeline.first_scheduled,
+                                           tuple(timeline.prefill_chunks),
+                                           timeline.num_cached_tokens, timeline.num_preemptions)
                 interfered = timeline.interfered[-1] if timeline.interfered else False
                 logprobs = seq.logprobs[-1] if seq.params.logprobs is not None else None
-                reports.append((request_id, out.token_ids[-1], timeline.token_times[-1],
-                                interfered, out.finish_reason, prefill, logprobs))
+                reports.append(TokenReport(request_id, out.token_ids[-1],
+                                           timeline.token_times[-1], interfered,
+                                           out.finish_reason, prefill, logprobs))
             if out.finished:
                 del self.seqs[request_id]
             elif self.role == "prefill":  # its first token: hold its KV for the decode worker
                 self.held[request_id] = detach(engine, request_id)
                 del self.seqs[request_id]
         bm = engine.block_manager
-        stats = {
-            "running": len(engine.scheduler.running), "waiting": len(engine.scheduler.waiting),
-            "kv_usage": bm.usage, "preemptions": engine.scheduler.num_preemptions,
-            "prefix_queries": bm.prefix_cache_queries, "prefix_hits": bm.prefix_cache_hits,
-            "held": len(self.held), "offers": len(self.offers), "clean_step": clean_step,
-        }
-        self.conn.send(("step", stats, reports))
+        stats = WorkerStats(
+            len(engine.scheduler.running), len(engine.scheduler.waiting), bm.usage,
+            engine.scheduler.num_preemptions, bm.prefix_cache_queries, bm.prefix_cache_hits,
+            len(self.held), len(self.offers), clean_step)
+        self.conn.send(StepReport(stats, reports))

@@ -52,16 +52,38 @@ import torch.multiprocessing as mp
 from prometheus_client import CollectorRegistry, Gauge, Histogram
 
 from engine.config import EngineConfig
+from engine.disagg_messages import (
+    Abort,
+    Add,
+    Fatal,
+    Hello,
+    Inspect,
+    Inspection,
+    Offer,
+    PrefillFacts,
+    Pull,
+    Release,
+    Send,
+    StepReport,
+    Stop,
+    ToFront,
+    TokenReport,
+    ToWorker,
+    Transferred,
+    WorkerStats,
+)
 from engine.disagg_worker import Heartbeat, WorkerSpec, worker_main
+from engine.finish_reason import FinishReason
 from engine.kv_transfer import transfer_backend
 from engine.llm_engine import LLMEngine, RequestOutput
 from engine.metrics import PREFIX, REQUEST_BUCKETS
 from engine.sequence import Sequence, SequenceStatus
-from engine.timeline import PrefillChunk, now
+from engine.timeline import now
 
 log = logging.getLogger(__name__)
 
 ROLES = ("prefill", "decode")
+TOTALS = ("preemptions", "prefix_queries", "prefix_hits")  # WorkerStats' running totals
 WAIT_S = 0.1  # longest a step waits for a worker when it has nothing else to do
 STOP_GRACE_S = 2.0  # a stopping worker gets this long before it is killed
 
@@ -92,7 +114,7 @@ class _Outbox:
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
 
-    def put(self, msg: tuple) -> None:
+    def put(self, msg: ToWorker) -> None:
         self._messages.put(msg)
 
     def close(self, timeout: float) -> None:
@@ -116,9 +138,9 @@ class _Worker:
     conn: connection.Connection
     outbox: _Outbox
     heartbeat: Heartbeat
-    hello: dict | None = None
+    hello: Hello | None = None
     fatal: str | None = None  # the traceback it sent before dying
-    totals: dict = dataclasses.field(default_factory=dict)  # its last running totals
+    totals: WorkerStats | None = None  # its last report's (running totals of its life)
 
 
 def worker_specs(config: EngineConfig, model_path: str, num_blocks: int, port: int
@@ -163,7 +185,7 @@ def _stop(workers: list[_Worker], graceful: bool = True) -> None:
     """Ask, then kill (at once when not `graceful`: after a fault the survivor's half of the
     process group is dead and its state is of no use)."""
     for w in workers:
-        w.outbox.put(("stop",))
+        w.outbox.put(Stop())
     deadline = time.monotonic() + (STOP_GRACE_S if graceful else 0.0)
     for w in workers:
         w.process.join(max(0.0, deadline - time.monotonic()))
@@ -201,9 +223,9 @@ class DisaggregatedEngine(LLMEngine):
         self.num_restarts = 0
         self._fault: tuple[list[str], WorkerFailure] | None = None
         self._dead: WorkerFailure | None = None
-        self._totals = {"preemptions": 0, "prefix_queries": 0, "prefix_hits": 0}
-        self.worker_stats: dict[str, dict] = {}  # each worker's last step report
-        self._inspections: dict[str, dict] = {}
+        self._totals = dict.fromkeys(TOTALS, 0)  # summed over the workers' lives
+        self.worker_stats: dict[str, WorkerStats] = {}  # each worker's last step report
+        self._inspections: dict[str, Inspection] = {}
         self._wake_r, self._wake_w = os.pipe()
         os.set_blocking(self._wake_r, False)
         os.set_blocking(self._wake_w, False)
@@ -287,7 +309,7 @@ class DisaggregatedEngine(LLMEngine):
         return {role: w.process.pid for role, w in self._workers.items()}
 
     @property
-    def worker_info(self) -> dict[str, dict | None]:
+    def worker_info(self) -> dict[str, Hello | None]:
         """What each worker said when it started: pid, cores, threads, device, cache blocks."""
         return {role: w.hello for role, w in self._workers.items()}
 
@@ -365,7 +387,7 @@ class DisaggregatedEngine(LLMEngine):
             seq = self.requests.get(request_id)
             if seq is not None and not seq.is_finished:
                 self._drop(request_id)
-                self.scheduler.finish(seq, "abort")
+                self.scheduler.finish(seq, FinishReason.ABORT)
                 outputs.append(self._finish_output(seq))
         return outputs
 
@@ -374,18 +396,18 @@ class DisaggregatedEngine(LLMEngine):
         for seq in self.scheduler.waiting:
             if seq.request_id not in self._location:
                 self._location[seq.request_id] = "prefill"
-                self._send(prefill, ("add", seq.request_id, seq.token_ids[: seq.num_prompt_tokens],
-                                     _wire_params(seq), seq.timeline.arrival))
+                self._send(prefill, Add(seq.request_id, seq.token_ids[: seq.num_prompt_tokens],
+                                        _wire_params(seq), seq.timeline.arrival))
 
     def _drop(self, request_id: str) -> None:
         """The front is done with a request the worker may still run: let it go."""
         role = self._location.pop(request_id, None)
         if role is not None and role in self._workers:
-            self._send(self._workers[role], ("abort", request_id))
+            self._send(self._workers[role], Abort(request_id))
         if request_id in self._offers:
             self._orphans.add(request_id)
 
-    def _send(self, worker: _Worker, msg: tuple) -> None:
+    def _send(self, worker: _Worker, msg: ToWorker) -> None:
         worker.outbox.put(msg)
 
     # -- worker messages ------------------------------------------------------------------------
@@ -409,55 +431,55 @@ class DisaggregatedEngine(LLMEngine):
                 pass  # it died: _supervise handles it
         return outputs
 
-    def _on_message(self, worker: _Worker, msg: tuple, outputs: list[RequestOutput]) -> None:
-        kind = msg[0]
-        if kind == "step":
-            _, stats, reports = msg
-            self._on_stats(worker, stats)
-            self._on_tokens(worker.role, reports, outputs)
-        elif kind == "pull":  # the decode worker receives: the prefill worker must send
-            self._answered(msg[1])
-            self._send(self._workers["prefill"], ("send", msg[1], msg[2]))
-        elif kind == "release":  # an offer the decode worker dropped unpulled
-            self._answered(msg[1])
-            self._send(self._workers["prefill"], ("release", msg[1]))
-        elif kind == "transferred":
-            _, request_id, start, end, num_bytes = msg
-            self._kv_transfer_time.observe(end - start)
-            seq = self.requests.get(request_id)
-            if seq is not None:
-                seq.timeline.record_kv_transfer(start, end, num_bytes)
-        elif kind == "hello":
-            worker.hello = msg[1]
-            if self.ready:
-                self._failed_starts = 0
-                log.info("disaggregated engine: workers ready %s", self.worker_info)
-        elif kind == "inspect":
-            self._inspections[worker.role] = msg[1]
-        elif kind == "fatal":
-            worker.fatal = msg[1]
-            log.error("disaggregated engine: the %s worker failed:\n%s", worker.role, msg[1])
+    def _on_message(self, worker: _Worker, msg: ToFront, outputs: list[RequestOutput]) -> None:
+        match msg:
+            case StepReport(stats, reports):
+                self._on_stats(worker, stats)
+                self._on_tokens(worker.role, reports, outputs)
+            case Pull(request_id, tag):  # the decode worker receives: the prefill worker sends
+                self._answered(request_id)
+                self._send(self._workers["prefill"], Send(request_id, tag))
+            case Release(request_id):  # an offer the decode worker dropped unpulled
+                self._answered(request_id)
+                self._send(self._workers["prefill"], msg)
+            case Transferred(request_id, start, end, num_bytes):
+                self._kv_transfer_time.observe(end - start)
+                seq = self.requests.get(request_id)
+                if seq is not None:
+                    seq.timeline.record_kv_transfer(start, end, num_bytes)
+            case Hello():
+                worker.hello = msg
+                if self.ready:
+                    self._failed_starts = 0
+                    log.info("disaggregated engine: workers ready %s", self.worker_info)
+            case Inspection():
+                self._inspections[worker.role] = msg
+            case Fatal(trace):
+                worker.fatal = trace
+                log.error("disaggregated engine: the %s worker failed:\n%s", worker.role, trace)
 
-    def _on_tokens(self, role: str, reports: list[tuple], outputs: list[RequestOutput]) -> None:
-        for request_id, token, at, interfered, worker_reason, prefill, logprobs in reports:
+    def _on_tokens(self, role: str, reports: list[TokenReport],
+                   outputs: list[RequestOutput]) -> None:
+        for report in reports:
+            request_id, worker_reason = report.request_id, report.finish_reason
             seq = self.requests.get(request_id)
             if seq is None:  # finished here already (aborted, or a stop string)
-                if prefill is not None and worker_reason is None:
-                    self._send(self._workers["prefill"], ("release", request_id))
+                if report.prefill is not None and worker_reason is None:
+                    self._send(self._workers["prefill"], Release(request_id))
                 continue
-            if prefill is not None:
-                self._start_decoding(seq, prefill)
-            seq.token_ids.append(token)
-            if logprobs is not None:
-                seq.logprobs.append(logprobs)
-            seq.timeline.record_token(at, interfered)
-            out = self._check_and_emit(seq, token)
+            if report.prefill is not None:
+                self._start_decoding(seq, report.prefill)
+            seq.token_ids.append(report.token)
+            if report.logprobs is not None:
+                seq.logprobs.append(report.logprobs)
+            seq.timeline.record_token(report.at, report.interfered)
+            out = self._check_and_emit(seq, report.token)
             outputs.append(out)
             if out.finished:
                 if worker_reason is None and role == "decode":  # a stop string: text is ours
                     self._drop(request_id)
                 elif worker_reason is None:  # ... on the first token: its KV is held
-                    self._send(self._workers["prefill"], ("release", request_id))
+                    self._send(self._workers["prefill"], Release(request_id))
                 self._location.pop(request_id, None)
             elif worker_reason is not None:  # the same checks ran on both sides; never hang
                 log.error("request %s: the %s worker finished it (%s), the front did not",
@@ -465,40 +487,41 @@ class DisaggregatedEngine(LLMEngine):
                 self._location.pop(request_id, None)
                 self.scheduler.finish(seq, worker_reason)
                 outputs.append(self._finish_output(seq))
-            elif prefill is not None:  # its KV waits in the prefill worker: offer it
+            elif report.prefill is not None:  # its KV waits in the prefill worker: offer it
                 self._location[request_id] = "decode"
                 self._offers.add(request_id)
-                self._send(self._workers["decode"], (
-                    "offer", request_id, list(seq.token_ids), seq.num_prompt_tokens,
-                    _wire_params(seq), at))
+                self._send(self._workers["decode"], Offer(
+                    request_id, list(seq.token_ids), seq.num_prompt_tokens, _wire_params(seq),
+                    report.at))
 
     def _answered(self, request_id: str) -> None:
         self._offers.discard(request_id)
         self._orphans.discard(request_id)
 
-    def _start_decoding(self, seq: Sequence, prefill: tuple) -> None:
+    def _start_decoding(self, seq: Sequence, prefill: PrefillFacts) -> None:
         """Its first token came: the prefill facts join the front's timeline."""
-        first_scheduled, chunks, num_cached, num_preemptions = prefill
         timeline = seq.timeline
-        timeline.first_scheduled = first_scheduled
-        timeline.prefill_chunks = [PrefillChunk(*c) for c in chunks]
-        timeline.num_cached_tokens = num_cached
-        timeline.num_preemptions = num_preemptions
+        timeline.first_scheduled = prefill.first_scheduled
+        timeline.prefill_chunks = list(prefill.chunks)
+        timeline.num_cached_tokens = prefill.num_cached_tokens
+        timeline.num_preemptions = prefill.num_preemptions
         self.scheduler.waiting.remove(seq)
         seq.status = SequenceStatus.RUNNING
         self.scheduler.running.append(seq)
 
-    def _on_stats(self, worker: _Worker, stats: dict) -> None:
-        for key in self._totals:  # running totals per worker life, summed across restarts
-            self._totals[key] += stats[key] - worker.totals.get(key, 0)
-            worker.totals[key] = stats[key]
+    def _on_stats(self, worker: _Worker, stats: WorkerStats) -> None:
+        for key in TOTALS:  # running totals per worker life, summed across restarts
+            last = getattr(worker.totals, key) if worker.totals is not None else 0
+            self._totals[key] += getattr(stats, key) - last
+        worker.totals = stats
         self.worker_stats[worker.role] = stats
-        if worker.role == "decode" and stats["clean_step"] is not None:
-            self._clean_decode_steps.append(stats["clean_step"])
+        if worker.role == "decode" and stats.clean_step is not None:
+            self._clean_decode_steps.append(stats.clean_step)
 
     def _observe_step(self, outputs: list[RequestOutput]) -> None:
         def usage(role: str) -> float:
-            return self.worker_stats.get(role, {}).get("kv_usage", 0.0)
+            stats = self.worker_stats.get(role)
+            return stats.kv_usage if stats is not None else 0.0
 
         self._prefill_kv_usage.set(usage("prefill"))
         self.metrics.observe_step(
@@ -578,13 +601,13 @@ class DisaggregatedEngine(LLMEngine):
 
     # -- inspection -----------------------------------------------------------------------------
 
-    def inspect(self, timeout: float = 10.0) -> dict[str, dict]:
+    def inspect(self, timeout: float = 10.0) -> dict[str, Inspection]:
         """Each worker's block and request counts, asked now. Call from the thread that steps
         the engine (or while nothing steps it); outputs that arrive meanwhile are kept for the
         next step."""
         self._inspections = {}
         for w in self._workers.values():
-            self._send(w, ("inspect",))
+            self._send(w, Inspect())
         deadline = now() + timeout
         while len(self._inspections) < len(self._workers):
             if now() > deadline:

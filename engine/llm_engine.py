@@ -17,13 +17,14 @@ from prometheus_client import CollectorRegistry
 
 from engine.block_manager import BlockManager
 from engine.config import EngineConfig
+from engine.finish_reason import FinishReason
 from engine.metrics import EngineMetrics
 from engine.model_runner import ModelRunner
 from engine.sampler import SAMPLING_FAILED
 from engine.sampling import InvalidRequest, SamplingParams
 from engine.scheduler import ScheduledBatch, Scheduler
 from engine.sequence import Sequence, SequenceStatus
-from engine.timeline import now
+from engine.timeline import TimelineSummary, now
 
 
 class EngineOverloaded(RuntimeError):
@@ -36,11 +37,11 @@ class RequestOutput:
     text: str  # new text since the previous output (the whole text from LLMEngine.generate)
     token_ids: list[int]  # new token ids since the previous output
     finished: bool
-    finish_reason: str | None  # "stop" | "length" | "abort"
+    finish_reason: FinishReason | None
     num_prompt_tokens: int
     num_output_tokens: int  # so far
-    metrics: dict | None = None  # the request's timeline summary, on the final output
-    error: str | None = None  # why a request ended by failure (finish_reason "abort")
+    metrics: TimelineSummary | None = None  # the request's timeline summary, on the final output
+    error: str | None = None  # why a request ended by failure (finish_reason ABORT)
     # One entry per token in `token_ids` when the request asks for logprobs (Sequence.logprobs).
     logprobs: list | None = None
 
@@ -154,7 +155,7 @@ class LLMEngine:
         self._aborts.clear()
         failed = list(self.requests)
         for request_id in failed:
-            self.scheduler.finish(self.requests[request_id], "abort")
+            self.scheduler.finish(self.requests[request_id], FinishReason.ABORT)
             self._finish_output(self.requests[request_id])
         return failed
 
@@ -184,7 +185,7 @@ class LLMEngine:
         while self._aborts:
             seq = self.requests.get(self._aborts.popleft())
             if seq is not None and seq.status is not SequenceStatus.FINISHED:
-                self.scheduler.finish(seq, "abort")
+                self.scheduler.finish(seq, FinishReason.ABORT)
                 outputs.append(self._finish_output(seq))
         return outputs
 
@@ -217,13 +218,13 @@ class LLMEngine:
         if token == SAMPLING_FAILED:
             seq.token_ids.pop()
             seq.error = "sampling failed"
-            self.scheduler.finish(seq, "abort")
+            self.scheduler.finish(seq, FinishReason.ABORT)
             return self._finish_output(seq)
         params = seq.params
         reason = None
         is_eos = token in self.eos_token_ids
         if token in params.stop_token_ids or (is_eos and not params.ignore_eos):
-            reason = "stop"  # the stop token's text is not part of the output
+            reason = FinishReason.STOP  # the stop token's text is not part of the output
         elif seq.detokenizer is not None and not is_eos:
             # EOS (kept under ignore_eos) renders as nothing; fed to the streaming decoder, a
             # run of them would grow its pending buffer, re-decoded at every token.
@@ -235,7 +236,7 @@ class LLMEngine:
                                            seq.num_output_tokens >= params.min_tokens)
         if reason is None and (seq.num_output_tokens >= params.max_tokens
                                or seq.num_tokens >= self.config.max_model_len):
-            reason = "length"
+            reason = FinishReason.LENGTH
         if reason is not None:
             self.scheduler.finish(seq, reason)
             return self._finish_output(seq)
@@ -250,8 +251,9 @@ class LLMEngine:
                              logprobs=seq.logprobs[-1:] if params.logprobs is not None else None)
 
     @staticmethod
-    def _append_text(seq: Sequence, new_text: str, check_stops: bool = True) -> str | None:
-        """Add detokenized text; on a stop string, trim the text at it and return "stop"."""
+    def _append_text(seq: Sequence, new_text: str, check_stops: bool = True
+                     ) -> FinishReason | None:
+        """Add detokenized text; on a stop string, trim the text at it and return STOP."""
         stops = seq.params.stop if check_stops else ()
         text = seq.output_text + new_text
         if stops:
@@ -260,7 +262,7 @@ class LLMEngine:
             found = [i for s in stops if (i := text.find(s, from_char)) >= 0]
             if found:
                 seq.output_text = text[: min(found)]
-                return "stop"
+                return FinishReason.STOP
         seq.output_text = text
         return None
 
@@ -271,10 +273,8 @@ class LLMEngine:
         self.requests.pop(seq.request_id, None)
         baseline = (statistics.median(self._clean_decode_steps)
                     if self._clean_decode_steps else None)
-        summary = timeline.summary(baseline)
-        summary["finish_reason"] = seq.finish_reason
-        summary["num_prompt_tokens"] = seq.num_prompt_tokens
-        self.metrics.observe_finished(summary, seq.num_prompt_tokens, seq.finish_reason)
+        summary = timeline.summary(baseline, seq.finish_reason, seq.num_prompt_tokens)
+        self.metrics.observe_finished(summary)
         text = seq.output_text[seq.num_sent_chars :]
         seq.num_sent_chars = len(seq.output_text)
         new_tokens = seq.output_token_ids[seq.num_sent_tokens :]

@@ -8,6 +8,8 @@ its timeline summary.
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
+from engine.timeline import TimelineSummary
+
 PREFIX = "inherent:"
 
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
@@ -79,15 +81,16 @@ class EngineMetrics:
         self.prefix_hits.inc(prefix_hits - last_hits)
         self._last = (num_preemptions, prefix_queries, prefix_hits)
 
-    def observe_finished(self, summary: dict, num_prompt_tokens: int, finish_reason: str) -> None:
-        self._success.labels(self._model_name, finish_reason).inc()
-        self.prompt_tokens.inc(num_prompt_tokens)
-        for histogram, key in ((self.ttft, "ttft"), (self.tpot, "tpot"), (self.e2e, "e2e"),
-                               (self.queue, "queue_time"), (self.prefill, "prefill_time"),
-                               (self.decode, "decode_time"),
-                               (self.interference, "interference_time")):
-            value = summary[key]
+    def observe_finished(self, summary: TimelineSummary) -> None:
+        """A finished request's summary (the engine's: it names the reason and prompt)."""
+        self._success.labels(self._model_name, summary.finish_reason.value).inc()
+        self.prompt_tokens.inc(summary.num_prompt_tokens)
+        for histogram, value in ((self.ttft, summary.ttft), (self.tpot, summary.tpot),
+                                 (self.e2e, summary.e2e), (self.queue, summary.queue_time),
+                                 (self.prefill, summary.prefill_time),
+                                 (self.decode, summary.decode_time),
+                                 (self.interference, summary.interference_time)):
             if value is not None:
                 histogram.observe(value)
-        for gap in summary["itl"]:
+        for gap in summary.itl:
             self.itl.observe(gap)

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 
 from engine.block_manager import BlockManager
 from engine.config import EngineConfig
+from engine.finish_reason import FinishReason
 from engine.sequence import Sequence, SequenceStatus
 
 
@@ -156,7 +157,7 @@ class Scheduler:
             seq.num_computed_tokens += n
             bm.cache_full_blocks(seq)
 
-    def finish(self, seq: Sequence, reason: str) -> None:
+    def finish(self, seq: Sequence, reason: FinishReason) -> None:
         """Retire a request (stopped, out of tokens, or aborted) and free its blocks."""
         if seq.status is SequenceStatus.FINISHED:
             return

@@ -5,6 +5,7 @@ from dataclasses import dataclass, field
 from enum import Enum, auto
 from typing import Any
 
+from engine.finish_reason import FinishReason
 from engine.sampling import SamplingParams
 from engine.timeline import RequestTimeline
 
@@ -27,7 +28,7 @@ class Sequence:
     block_table: list[int] = field(default_factory=list)
     block_hashes: list[bytes] = field(default_factory=list)  # chain hashes of full blocks
     num_registered_blocks: int = 0  # leading blocks already in the prefix cache
-    finish_reason: str | None = None  # "stop" | "length" | "abort"
+    finish_reason: FinishReason | None = None
     timeline: RequestTimeline = field(default_factory=RequestTimeline)
     detokenizer: Any = None  # incremental detokenizer state, owned by the engine
     output_text: str = ""  # detokenized output, stop strings trimmed

@@ -148,8 +148,8 @@ async def run_engine(
             record.output_text += out.text
             record.output_token_ids.extend(out.token_ids)
             if out.finished:
-                record.finish_reason = out.finish_reason
-                record.timeline = out.metrics or {}
+                record.finish_reason = out.finish_reason.value
+                record.timeline = out.metrics.to_dict() if out.metrics else {}
                 if out.error is not None:
                     raise GenerationFailed(out.error)
             yield out

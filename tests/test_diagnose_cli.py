@@ -1,6 +1,7 @@
 """`inherent diagnose` traces "it's slow" to a phase, from a bench file or a metrics endpoint."""
 
 import asyncio
+import dataclasses
 import json
 import random
 
@@ -11,7 +12,9 @@ from typer.testing import CliRunner
 
 from engine import AsyncEngine, EngineConfig, SamplingParams
 from engine.diagnosis import from_metrics, quantile
+from engine.finish_reason import FinishReason
 from engine.metrics import EngineMetrics
+from engine.timeline import RequestTimeline, TimelineSummary
 from gateway.cli import app
 
 
@@ -31,6 +34,12 @@ def summary(
         "interference_steps": 2 if interference else 0,
         "num_output_tokens": tokens,
     }
+
+
+def observed(s: dict) -> TimelineSummary:
+    """`s` as the engine hands it to EngineMetrics: a finished request of 100 prompt tokens."""
+    empty = RequestTimeline(arrival=0.0).summary(None, FinishReason.LENGTH, 100)
+    return dataclasses.replace(empty, **(s | {"itl": tuple(s["itl"])}))
 
 
 QUEUED = [summary(queue=2.0 + i / 10, prefill=0.1, tpot=0.02) for i in range(20)]
@@ -53,7 +62,7 @@ def test_metrics_text_gives_the_same_verdict():
     registry = CollectorRegistry()
     metrics = EngineMetrics(registry, "m")
     for s in QUEUED:
-        metrics.observe_finished(s, 100, "length")
+        metrics.observe_finished(observed(s))
     report = from_metrics(generate_latest(registry).decode())
     assert report["dominant"] == "queue" and report["ttft"]["cause"] == "queue"
     assert 2.1 <= report["ttft"]["p50"] <= 5.0  # true median 3.05; bucket estimate

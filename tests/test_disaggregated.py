@@ -65,8 +65,8 @@ def assert_blocks_freed(engine: DisaggregatedEngine, timeout: float = 5.0) -> No
     deadline = time.monotonic() + timeout
     while True:
         state = engine.inspect()
-        clean = all(s["num_free_blocks"] == s["num_blocks"] and s["blocks_referenced"] == 0
-                    and s["requests"] == s["held"] == s["offers"] == s["receiving"] == 0
+        clean = all(s.num_free_blocks == s.num_blocks and s.blocks_referenced == 0
+                    and s.requests == s.held == s.offers == s.receiving == 0
                     for s in state.values())
         if clean or time.monotonic() > deadline:
             break
@@ -78,11 +78,11 @@ def assert_blocks_freed(engine: DisaggregatedEngine, timeout: float = 5.0) -> No
 def test_it_is_the_mode_the_config_names(disagg):
     assert isinstance(disagg, DisaggregatedEngine) and disagg.is_healthy()
     info = disagg.worker_info
-    assert info["prefill"]["pid"] != info["decode"]["pid"] != os.getpid()
-    assert info["prefill"]["num_kv_blocks"] == 48 and info["decode"]["num_kv_blocks"] == 40
+    assert info["prefill"].pid != info["decode"].pid != os.getpid()
+    assert info["prefill"].num_kv_blocks == 48 and info["decode"].num_kv_blocks == 40
     if len(os.sched_getaffinity(0)) >= 2:  # each on its own cores, one torch thread per core
-        assert not set(info["prefill"]["cpus"]) & set(info["decode"]["cpus"])
-        assert info["prefill"]["threads"] == len(info["prefill"]["cpus"])
+        assert not set(info["prefill"].cpus) & set(info["decode"].cpus)
+        assert info["prefill"].threads == len(info["prefill"].cpus)
 
 
 def test_greedy_output_equals_colocated_and_blocks_come_back(disagg, colocated):
@@ -97,10 +97,10 @@ def test_greedy_output_equals_colocated_and_blocks_come_back(disagg, colocated):
     bytes_per_block = 2 * TINY["block_size"] * 2 * 2 * 8 * itemsize  # layers, tokens, K/V, heads, dim
     for prompt, out in zip(batch, got, strict=True):
         m = out.metrics
-        assert m["kv_transfer"]["bytes"] == -(-len(prompt) // TINY["block_size"]) * bytes_per_block
-        assert 0 < m["kv_transfer_time"] == pytest.approx(
-            m["kv_transfer"]["end"] - m["kv_transfer"]["start"])
-        assert m["ttft"] <= m["kv_transfer"]["start"] and m["num_output_tokens"] == 20
+        assert m.kv_transfer.bytes == -(-len(prompt) // TINY["block_size"]) * bytes_per_block
+        assert 0 < m.kv_transfer_time == pytest.approx(
+            m.kv_transfer.end - m.kv_transfer.start)
+        assert m.ttft <= m.kv_transfer.start and m.num_output_tokens == 20
     assert_blocks_freed(disagg)
 
 
@@ -114,10 +114,10 @@ def test_back_pressure_queues_hand_offs_without_preempting(disagg, colocated, mo
 
     def observe(worker, stats):  # every worker step's report (one front step may drain several)
         if worker.role == "decode":
-            seen["decode_running"] = max(seen["decode_running"], stats["running"])
+            seen["decode_running"] = max(seen["decode_running"], stats.running)
         else:  # prompts waiting while hand-offs hold most of the prefill worker's cache
-            seen["prefill_full"] |= (stats["waiting"] > 0 and stats["held"] > 0
-                                     and stats["kv_usage"] >= 0.75)
+            seen["prefill_full"] |= (stats.waiting > 0 and stats.held > 0
+                                     and stats.kv_usage >= 0.75)
         on_stats(worker, stats)
 
     monkeypatch.setattr(disagg, "_on_stats", observe)
@@ -131,7 +131,7 @@ def test_back_pressure_queues_hand_offs_without_preempting(disagg, colocated, mo
     most = max(n for n in range(len(batch) + 1) if sum(lifetimes[:n]) <= 40)
     assert most < len(batch) and 1 <= seen["decode_running"] <= most
     assert seen["prefill_full"]
-    assert disagg.worker_stats["decode"]["preemptions"] == 0
+    assert disagg.worker_stats["decode"].preemptions == 0
     assert_blocks_freed(disagg)
 
 
@@ -377,7 +377,7 @@ def test_greedy_output_equals_colocated_on_the_bundled_model():
         # real text (not prompt 0: its first token is a near-tie, "The" 25.19 against "L" 25.15
         # in these numerics, that any change of kernel arithmetic may flip)
         assert "sea" in got[1].text
-        assert all(o.metrics["kv_transfer"]["bytes"] > 0 for o in got)
+        assert all(o.metrics.kv_transfer.bytes > 0 for o in got)
         assert_blocks_freed(engine)
     finally:
         engine.close()

@@ -63,8 +63,8 @@ def test_long_prompt_chunked_and_unchunked_agree():
     unchunked = toy_engine(max_num_batched_tokens=16, enable_chunked_prefill=False)
     a, b = (e.generate([prompt], GREEDY)[0] for e in (chunked, unchunked))
     assert a.token_ids == b.token_ids == reference_greedy(prompt, 16)
-    assert len(a.metrics["prefill_chunks"]) == 7  # 100 tokens under a 16-token budget
-    assert len(b.metrics["prefill_chunks"]) == 1
+    assert len(a.metrics.prefill_chunks) == 7  # 100 tokens under a 16-token budget
+    assert len(b.metrics.prefill_chunks) == 1
 
 
 def test_preemption_under_a_tiny_cache_completes_everything_correctly():
@@ -74,7 +74,7 @@ def test_preemption_under_a_tiny_cache_completes_everything_correctly():
     outs = engine.generate(batch, GREEDY)
     assert engine.scheduler.num_preemptions > 0
     assert [o.token_ids for o in outs] == [reference_greedy(p, 16) for p in batch]
-    assert sum(o.metrics["num_preemptions"] for o in outs) == engine.scheduler.num_preemptions
+    assert sum(o.metrics.num_preemptions for o in outs) == engine.scheduler.num_preemptions
     assert_no_leaks(engine)
 
 
@@ -85,7 +85,7 @@ def test_shared_prefixes_are_computed_once_and_stay_correct():
     first = engine.generate(batch[:1], GREEDY)
     rest = engine.generate(batch[1:], GREEDY)
     assert [o.token_ids for o in first + rest] == [reference_greedy(p, 16) for p in batch]
-    assert all(o.metrics["num_cached_tokens"] == 40 for o in rest)
+    assert all(o.metrics.num_cached_tokens == 40 for o in rest)
     assert engine.block_manager.prefix_cache_hits >= 5 * 40
 
 
@@ -260,7 +260,7 @@ async def test_async_streams_concurrent_requests(async_engine):
     for p, outs in zip(batch, results, strict=True):
         assert [t for o in outs for t in o.token_ids] == reference_greedy(p, 10)
         assert "".join(o.text for o in outs) == text_of(reference_greedy(p, 10))
-        assert outs[-1].finished and outs[-1].metrics["num_output_tokens"] == 10
+        assert outs[-1].finished and outs[-1].metrics.num_output_tokens == 10
         assert not any(o.finished for o in outs[:-1])
 
 
@@ -449,8 +449,8 @@ def test_smollm_answers_and_chunked_equals_unchunked(smollm):
     chunked = engine.generate([long], params)[0]
     whole = engine_on(smollm, block_size=16, max_model_len=1024, max_num_batched_tokens=128,
                       enable_chunked_prefill=False, batch_invariant=True).generate([long], params)[0]
-    assert len(chunked.metrics["prefill_chunks"]) >= 3
-    assert len(whole.metrics["prefill_chunks"]) == 1
+    assert len(chunked.metrics.prefill_chunks) >= 3
+    assert len(whole.metrics.prefill_chunks) == 1
     assert chunked.token_ids == whole.token_ids
     assert_no_leaks(engine)
 

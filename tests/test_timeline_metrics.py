@@ -1,3 +1,4 @@
+import json
 import time
 
 import pytest
@@ -23,7 +24,7 @@ def timeline(tokens=(2.0, 2.1, 2.2, 2.5, 2.6), interfered=(False, False, True, F
 
 
 def test_summary_derives_the_phases():
-    s = timeline().summary()
+    s = timeline().summary().to_dict()
     assert s["queue_time"] == 1.0
     assert s["ttft"] == 2.0
     assert s["prefill_time"] == 1.0
@@ -40,13 +41,13 @@ def test_summary_derives_the_phases():
 
 def test_interference_falls_back_to_the_engine_baseline():
     all_hit = timeline(tokens=(2.0, 2.3, 2.55), interfered=(True, True))
-    assert all_hit.summary(clean_step_baseline=0.2)["interference_time"] == pytest.approx(0.15)
-    assert all_hit.summary()["interference_time"] is None
+    assert all_hit.summary(clean_step_baseline=0.2).interference_time == pytest.approx(0.15)
+    assert all_hit.summary().interference_time is None
 
 
 def test_a_request_without_tokens_has_no_latencies():
     s = RequestTimeline(arrival=0.0).summary()
-    assert s["ttft"] is None and s["tpot"] is None and s["itl"] == []
+    assert s.ttft is None and s.tpot is None and s.itl == ()
 
 
 def finished_outputs(engine, prompts, **params):
@@ -62,14 +63,27 @@ def test_engine_timelines_hold_the_invariants():
     for out in outs:
         m = out.metrics
         # TTFT splits into time waiting and time prefilling; all of it inside the call.
-        assert m["ttft"] == pytest.approx(m["queue_time"] + m["prefill_time"])
-        assert m["prefill_time"] > 0 and m["e2e"] <= wall
-        assert len(m["itl"]) == m["num_output_tokens"] - 1 == 6
-        assert m["decode_steps"] == 6
-        assert sum(c["tokens"] for c in m["prefill_chunks"]) == m["num_prompt_tokens"]
-        assert m["e2e"] >= m["ttft"] + m["decode_time"] - 1e-9
+        assert m.ttft == pytest.approx(m.queue_time + m.prefill_time)
+        assert m.prefill_time > 0 and m.e2e <= wall
+        assert len(m.itl) == m.num_output_tokens - 1 == 6
+        assert m.decode_steps == 6
+        assert sum(c.tokens for c in m.prefill_chunks) == m.num_prompt_tokens
+        assert m.e2e >= m.ttft + m.decode_time - 1e-9
     # The 50-token prompt needs 4 chunks under a 16-token budget.
-    assert len(out.metrics["prefill_chunks"]) >= 4
+    assert len(out.metrics.prefill_chunks) >= 4
+
+
+def test_the_summary_json_form_keeps_the_receipts_keys():
+    out = finished_outputs(toy_engine(), [[1, 2, 3]], max_tokens=3)[0]
+    d = out.metrics.to_dict()
+    assert list(d) == [
+        "num_output_tokens", "num_cached_tokens", "num_preemptions", "queue_time", "ttft",
+        "prefill_time", "decode_time", "tpot", "itl", "e2e", "prefill_chunks", "decode_steps",
+        "interference_steps", "interfered_steps", "interference_time", "clean_itl_median",
+        "kv_transfer_time", "kv_transfer", "finish_reason", "num_prompt_tokens"]
+    assert type(d["finish_reason"]) is str and d["finish_reason"] == "length"
+    assert list(d["prefill_chunks"][0]) == ["step", "tokens", "start", "end"]
+    assert json.loads(json.dumps(d)) == d  # plain JSON types only
 
 
 def test_decodes_sharing_a_step_with_a_prefill_count_as_interference():
@@ -81,8 +95,8 @@ def test_decodes_sharing_a_step_with_a_prefill_count_as_interference():
     while engine.has_unfinished_requests():
         finals.update({o.request_id: o for o in engine.step() if o.finished})
     # 40 prompt tokens in chunks of 8: 5 steps shared with the decoder.
-    assert finals["decoder"].metrics["interference_steps"] == 5
-    assert finals["decoder"].metrics["decode_steps"] == 11
+    assert finals["decoder"].metrics.interference_steps == 5
+    assert finals["decoder"].metrics.decode_steps == 11
 
 
 def test_decodes_stalled_by_a_prefill_only_step_count_as_interference():
@@ -95,9 +109,9 @@ def test_decodes_stalled_by_a_prefill_only_step_count_as_interference():
     while engine.has_unfinished_requests():
         finals.update({o.request_id: o for o in engine.step() if o.finished})
     m = finals["decoder"].metrics
-    assert m["interference_steps"] == 1  # one gap spans the whole-prompt step it sat out
-    gap = m["itl"][1]  # token 1 came before the long prompt's step, token 2 after it
-    assert m["interference_time"] == pytest.approx(max(0.0, gap - m["clean_itl_median"]))
+    assert m.interference_steps == 1  # one gap spans the whole-prompt step it sat out
+    gap = m.itl[1]  # token 1 came before the long prompt's step, token 2 after it
+    assert m.interference_time == pytest.approx(max(0.0, gap - m.clean_itl_median))
 
 
 def samples(text: str) -> dict[str, float]:
@@ -135,7 +149,7 @@ def test_metrics_are_exposed_with_sane_values():
     assert values[f"inherent:prefix_cache_hits_total{label}"] == (
         engine.block_manager.prefix_cache_hits)
     ttft_sum = values[f"inherent:time_to_first_token_seconds_sum{label}"]
-    assert ttft_sum == pytest.approx(sum(out.metrics["ttft"] for out in outs))
+    assert ttft_sum == pytest.approx(sum(out.metrics.ttft for out in outs))
     success = "[('finished_reason', 'length'), ('model_name', 'toy')]"
     assert values[f"inherent:request_success_total{success}"] == 5
 
@@ -184,7 +198,7 @@ def test_diagnosis_names_the_phase_behind_each_metric():
 def test_diagnosis_reads_engine_summaries():
     engine = toy_engine()
     outs = finished_outputs(engine, [[1, 2, 3]] * 3, max_tokens=4)
-    d = diagnose([o.metrics for o in outs])
+    d = diagnose([o.metrics.to_dict() for o in outs])
     assert d["num_requests"] == 3
     assert d["ttft"]["p50"] > 0
     assert diagnose([])["num_requests"] == 0
