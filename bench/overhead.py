@@ -25,11 +25,10 @@ import time
 from importlib import resources
 from pathlib import Path
 
-import httpx
-
 from engine import SamplingParams
 from gateway.app import create_app
 from gateway.auth import create_key
+from gateway.client import in_process
 from gateway.client import question as ask
 from gateway.settings import ServerSettings
 from ingest import jobs
@@ -85,13 +84,7 @@ async def run(args) -> dict:
     api_ms, direct_ms, embed_ms, receipt_ms, overhead_ms = [], [], [], [], []
     async with app.router.lifespan_context(app):
         services = app.state.services
-        transport = httpx.ASGITransport(app=app)
-        async with httpx.AsyncClient(
-            transport=transport,
-            base_url="http://bench",
-            headers={"Authorization": f"Bearer {key}"},
-            timeout=600,
-        ) as client:
+        async with in_process(app, key) as client:
             for i, question in enumerate([questions[0], *questions]):  # the first one warms up
                 body = ask(question, args.max_tokens)
                 start = time.perf_counter()

@@ -18,6 +18,7 @@ from rich.progress import BarColumn, Progress, SpinnerColumn, TextColumn, TimeEl
 
 from gateway.app import create_app
 from gateway.auth import create_key
+from gateway.client import in_process
 from gateway.client import question as client_question
 from gateway.settings import ServerSettings
 from provenance.db import session_scope
@@ -68,13 +69,7 @@ async def _demo(settings: ServerSettings, console: Console) -> int:
         console.print(
             f"model [bold]{services.model_id}[/] weights blake3 {services.weights_hash[:16]}…"
         )
-        transport = httpx.ASGITransport(app=app)
-        async with httpx.AsyncClient(
-            transport=transport,
-            base_url="http://inherent",
-            headers={"Authorization": f"Bearer {key}"},
-            timeout=600,
-        ) as client:
+        async with in_process(app, key) as client:
             await ingest(client, console, corpus, "Ingesting the support articles")
             receipts = []
             for question in QUESTIONS:

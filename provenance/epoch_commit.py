@@ -2,7 +2,7 @@
 the tenant's, in the write order ``provenance/truth.py`` describes (plan, vectors, rows)."""
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 
 import numpy as np
 from sqlalchemy import select, update
@@ -57,6 +57,20 @@ class _Plan:
     opening: list[tuple[SourceDraft, int]] = field(default_factory=list)
     closing: list[tuple[SourceVersion, str]] = field(default_factory=list)
 
+    def chunks(self, tenant_id: str) -> list[Chunk]:
+        """The rows of the opened versions' chunks (not in any session yet)."""
+        return [
+            Chunk(
+                id=chunk_id(tenant_id, draft.source_id, version, c.ordinal),
+                tenant_id=tenant_id,
+                source_id=draft.source_id,
+                version=version,
+                **asdict(c),
+            )
+            for draft, version in self.opening
+            for c in draft.chunks
+        ]
+
 
 def ensure_tenant(session: Session, tenant_id: str) -> None:
     """Create the tenant row if it does not exist (safe against a concurrent creator)."""
@@ -94,10 +108,18 @@ def commit(
         session.commit()  # ends the read transaction (nothing to write; rows stay loaded)
         if not plan.opening and not plan.closing:
             return result
+        chunks = plan.chunks(tenant_id)
         # 2. Vectors first, with no transaction open: invisible until step 3 commits.
-        result.points_written = _write_points(index, tenant_id, plan, vectors or {})
+        vectors = vectors or {}
+        index.upsert([
+            IndexPoint(c.id, tenant_id, c.source_id, c.version, c.chunk_hash, plan.epoch,
+                       vector=vectors[c.chunk_hash])
+            for c in chunks
+        ])
+        index.flush()
+        result.points_written = len(chunks)
         # 3. One short write transaction: the epoch, the rows, the audit leaves.
-        _write_rows(session, tenant_id, plan, result.summary(), job_id)
+        _write_rows(session, tenant_id, plan, chunks, result.summary(), job_id)
         session.commit()
     result.epoch = plan.epoch
     # SQL is the truth from here on; the index catches up (and sweep finishes it after a crash).
@@ -147,30 +169,13 @@ def _plan(
     return plan
 
 
-def _write_points(
-    index: VectorIndex, tenant_id: str, plan: _Plan, vectors: Mapping[str, np.ndarray]
-) -> int:
-    """The opened versions' points, valid from the planned epoch; how many."""
-    points = [
-        IndexPoint(
-            chunk_id=chunk_id(tenant_id, draft.source_id, version, c.ordinal),
-            tenant_id=tenant_id,
-            source_id=draft.source_id,
-            version=version,
-            chunk_hash=c.chunk_hash,
-            valid_from=plan.epoch,
-            vector=vectors[c.chunk_hash],
-        )
-        for draft, version in plan.opening
-        for c in draft.chunks
-    ]
-    index.upsert(points)
-    index.flush()
-    return len(points)
-
-
 def _write_rows(
-    session: Session, tenant_id: str, plan: _Plan, summary: dict[str, int], job_id: str | None
+    session: Session,
+    tenant_id: str,
+    plan: _Plan,
+    chunks: list[Chunk],
+    summary: dict[str, int],
+    job_id: str | None,
 ) -> None:
     """Take the epoch and write the plan's versions, chunks and audit leaves (not committed)."""
     epoch = plan.epoch
@@ -197,22 +202,7 @@ def _write_rows(
     ]
     session.add_all(opened)
     session.flush()
-    session.add_all(
-        Chunk(
-            id=chunk_id(tenant_id, draft.source_id, version, c.ordinal),
-            tenant_id=tenant_id,
-            source_id=draft.source_id,
-            version=version,
-            ordinal=c.ordinal,
-            text=c.text,
-            chunk_hash=c.chunk_hash,
-            token_count=c.token_count,
-            char_start=c.char_start,
-            char_end=c.char_end,
-        )
-        for draft, version in plan.opening
-        for c in draft.chunks
-    )
+    session.add_all(chunks)
     for row, _ in plan.closing:
         append_version_event(session, row, "version_closed")
     for row in opened:

@@ -105,17 +105,13 @@ class SourceInfo:
 
 
 @dataclass(frozen=True, slots=True)
-class ChunkRecord:
+class ChunkRecord(ChunkDraft):
+    """A chunk as stored: its draft, and the version it belongs to."""
+
     id: str
     tenant_id: str
     source_id: str
     version: int
-    ordinal: int
-    text: str
-    chunk_hash: str
-    token_count: int
-    char_start: int
-    char_end: int
 
     @classmethod
     def of(cls, row: Chunk) -> ChunkRecord:
