@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import threading
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from functools import lru_cache
@@ -76,6 +77,10 @@ class TransformersEmbedder:
         from transformers import AutoModel, AutoTokenizer
 
         self._torch = torch
+        # One forward at a time: every thread that runs one starts its own OpenMP team, so
+        # concurrent queries (one per API request) would oversubscribe the cores the LLM
+        # engine's own team runs on. Waiting here costs no CPU.
+        self._forward = threading.Lock()
         self.model_dir = Path(model_dir)
         _check_pipeline(self.model_dir)
         st_config = _read_json(self.model_dir / "sentence_bert_config.json", default={})
@@ -113,7 +118,8 @@ class TransformersEmbedder:
                     max_length=self.max_seq_length,
                     return_tensors="pt",
                 )
-                hidden = self.model(**batch).last_hidden_state
+                with self._forward:  # per batch: a query never waits for a whole ingestion
+                    hidden = self.model(**batch).last_hidden_state
                 mask = batch["attention_mask"].unsqueeze(-1).to(hidden.dtype)
                 pooled = (hidden * mask).sum(dim=1) / mask.sum(dim=1).clamp(min=1e-9)
                 normalized = torch.nn.functional.normalize(pooled, p=2, dim=1)

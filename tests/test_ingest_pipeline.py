@@ -1,6 +1,9 @@
 """index_sources and the in-process job API, with the bundled MiniLM embedder."""
 
 import importlib.util
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import pytest
@@ -110,6 +113,36 @@ def test_the_embedder_is_deterministic_normalized_and_semantic(minilm):
     assert similarity[0, 1] > 0.5 > similarity[0, 2]
     assert minilm.model_id.startswith("all-MiniLM-L6-v2@") and minilm.max_chunk_tokens == 254
     assert minilm.embed([]).shape == (0, 384)
+
+
+def test_concurrent_embeddings_run_one_forward_at_a_time(minilm, monkeypatch):
+    """Each API request embeds its query on its own thread; parallel forwards would each start
+    an OpenMP team on the cores the LLM engine uses. They queue instead, and every caller still
+    gets its own texts' vectors."""
+    model = minilm.model
+    inside, most = 0, 0
+    count = threading.Lock()
+
+    def forward(*args, **kwargs):
+        nonlocal inside, most
+        with count:
+            inside += 1
+            most = max(most, inside)
+        try:
+            time.sleep(0.02)  # long enough for the other threads to arrive
+            return type(model).__call__(model, *args, **kwargs)
+        finally:
+            with count:
+                inside -= 1
+
+    monkeypatch.setattr(minilm, "model", forward)
+    texts = [f"question number {i} about storage plans" for i in range(8)]
+    with ThreadPoolExecutor(8) as pool:
+        vectors = list(pool.map(lambda text: minilm.embed([text])[0], texts))
+    monkeypatch.undo()
+    assert most == 1
+    for text, vector in zip(texts, vectors, strict=True):
+        assert vector.tobytes() == minilm.embed([text])[0].tobytes()
 
 
 def test_a_missing_bundled_model_names_the_fix(monkeypatch):
