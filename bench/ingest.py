@@ -84,11 +84,11 @@ def render(path: Path, n: int, paragraphs: list[list[str]]) -> None:
     path.write_text(f"# Document {n}\n\n" + "\n\n".join(" ".join(p) for p in paragraphs) + "\n")
 
 
-def timed_job(settings: Settings, folder: Path) -> tuple[float, jobs.JobStatus]:
+def timed_job(runtime: jobs.Runtime, folder: Path) -> tuple[float, jobs.JobStatus]:
     start = time.perf_counter()
-    job_id = jobs.submit_ingestion(settings, "bench", [folder], wait=True)
+    job_id = jobs.submit_ingestion(runtime, "bench", [folder], wait=True)
     elapsed = time.perf_counter() - start
-    status = jobs.get_job(settings, job_id)
+    status = jobs.get_job(runtime.settings, job_id)
     if status.state != "succeeded":
         raise SystemExit(f"ingestion failed: {status.summary}")
     return elapsed, status
@@ -100,10 +100,10 @@ def bench_ingest(args: argparse.Namespace, workdir: Path) -> dict:
     folder = workdir / "corpus"
     docs = write_corpus(folder, args.docs, rng, words)
     settings = Settings(data_dir=workdir / "data")
-    rt = jobs.runtime(settings)  # load the model and open the index before timing
-    rt.embedder.embed(["warm up"])
+    rt = jobs.Runtime(settings)
+    rt.embedder.embed(["warm up"])  # load the model before timing
 
-    first_s, first = timed_job(settings, folder)
+    first_s, first = timed_job(rt, folder)
     with rt.sessions() as s:
         chunks = len(truth.chunks_as_of(s, "bench", truth.current_epoch(s, "bench")))
     print(
@@ -111,7 +111,7 @@ def bench_ingest(args: argparse.Namespace, workdir: Path) -> dict:
         f"({args.docs / first_s:.1f} docs/s, {chunks / first_s:.1f} chunks/s); {first.summary}"
     )
 
-    unchanged_s, unchanged = timed_job(settings, folder)
+    unchanged_s, unchanged = timed_job(rt, folder)
     print(
         f"re-ingest unchanged: {unchanged_s:.2f} s ({first_s / unchanged_s:.1f}x faster); {unchanged.summary}"
     )
@@ -121,7 +121,7 @@ def bench_ingest(args: argparse.Namespace, workdir: Path) -> dict:
         paragraphs = docs[path]
         paragraphs[-1][-1] = sentence(rng, words)
         render(path, int(path.stem.split("-")[1]), paragraphs)
-    changed_s, changed = timed_job(settings, folder)
+    changed_s, changed = timed_job(rt, folder)
     print(
         f"re-ingest {len(edited)} edited ({len(edited) / args.docs:.0%}): {changed_s:.2f} s "
         f"({first_s / changed_s:.1f}x faster); {changed.summary}"

@@ -72,7 +72,7 @@ async def run(args) -> dict:
     )
     ensure_schema(settings.sqlalchemy_url)
     write_corpus(data_dir / "corpus", args.docs)
-    job = jobs.submit_ingestion(settings, "bench", [data_dir / "corpus"], wait=True)
+    job = jobs.submit_ingestion(jobs.Runtime(settings), "bench", [data_dir / "corpus"], wait=True)
     print(f"ingested: {jobs.get_job(settings, job).summary}")
     with session_scope(settings.sqlalchemy_url, write=True) as session:
         key = create_key(session, "bench", ["chat"]).secret
@@ -163,7 +163,7 @@ def receipts_under_ingestion(docs: int, interval_s: float = 0.02) -> dict:
         ensure_tenant(session, "bench")
     writer = ReceiptWriter(settings.sqlalchemy_url, timeout_s=60)
     started = time.perf_counter()
-    job = jobs.submit_ingestion(settings, "bench", [corpus])
+    job = jobs.submit_ingestion(jobs.Runtime(settings), "bench", [corpus])
     latencies = []
     while not jobs.get_job(settings, job).finished:
         start = time.perf_counter()

@@ -481,7 +481,7 @@ def ingest(
         fail(f"not found: {', '.join(missing)}")
     settings = ready_settings()
     job_id = ingest_jobs.submit_ingestion(
-        settings, tenant, paths, "full" if cleanup else None, prefix=prefix
+        ingest_jobs.Runtime(settings), tenant, paths, "full" if cleanup else None, prefix=prefix
     )
     status = follow_job(settings, job_id)
     print_job(status)

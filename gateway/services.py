@@ -12,6 +12,8 @@ from sqlalchemy.orm import Session
 from engine.config import EngineConfig
 from gateway.metrics import GatewayMetrics
 from gateway.settings import ServerSettings
+from ingest.embedding import Embedder
+from ingest.jobs import Runtime
 from provenance import memory
 from provenance.receipt_writer import ReceiptWriter
 from provenance.truth import current_epoch
@@ -51,8 +53,9 @@ class Services:
     settings: ServerSettings
     engine: Any  # engine.AsyncEngine
     tokenizer: Any  # engine.Tokenizer
-    embedder: Any  # ingest.embedding.Embedder
-    index: Any  # provenance.vector_index.VectorIndex
+    # Ingestion's runtime, the same embedder and sessions: the admin routes' jobs run on it.
+    runtime: Runtime
+    index: Any  # what retrieval searches: runtime.index, or a caught-up view of it
     model_id: str
     weights_hash: str
     engine_numerics: dict[str, Any]  # the engine settings that affect output bits
@@ -89,6 +92,10 @@ class Services:
     @property
     def served_model_names(self) -> set[str]:
         return {self.model_id, "inherent"}
+
+    @property
+    def embedder(self) -> Embedder:
+        return self.runtime.embedder
 
     @property
     def embedding_model_name(self) -> str:
@@ -172,24 +179,21 @@ class Services:
 def build_services(settings: ServerSettings, registry: CollectorRegistry) -> Services:
     """Load the model, the embedder and the vector index named by the settings."""
     from engine import AsyncEngine, LLMEngine
-    from ingest.embedding import load_embedder
-    from provenance.vector_index import open_vector_index
 
     llm = LLMEngine.from_config(settings.engine, registry)
-    embedder = load_embedder(settings)
-    index = open_vector_index(settings, embedder.dim)
+    runtime = Runtime(settings)
+    index = runtime.index
     catch_up = None
     if settings.redis_url and not settings.qdrant_url:
         # Workers commit elsewhere and no server index is shared: this replica's embedded
         # index is a projection of the truth layer, caught up now (before /readyz says ready)
         # and then before every search and in the background.
-        from provenance.db import get_sessionmaker
         from provenance.projection import CatchUpLoop, CaughtUpSearch, IndexProjection
 
         projection = IndexProjection(
-            get_sessionmaker(settings.sqlalchemy_url),
+            runtime.sessions,
             index,
-            embedder.model_id,
+            runtime.embedder.model_id,
             settings.embedded_index_dir / f"{settings.collection}.applied.json",
         )
         projection.catch_up_all()
@@ -199,7 +203,7 @@ def build_services(settings: ServerSettings, registry: CollectorRegistry) -> Ser
         settings=settings,
         engine=AsyncEngine(llm),
         tokenizer=llm.tokenizer,
-        embedder=embedder,
+        runtime=runtime,
         index=index,
         model_id=settings.served_model_name or llm.model_id,
         weights_hash=llm.weights_hash,

@@ -1,13 +1,10 @@
-"""Celery on Redis for ingestion jobs: ``celery -A ingest.celery_app worker --pool=solo``.
+"""The ingestion worker: ``celery -A ingest.celery_app worker --pool=solo``.
 
 The worker reads the same Settings (``INHERENT_*`` environment) as the API and runs
-``ingest.jobs.run_ingestion_job``, the function the embedded default runs in process. Messages
-are acknowledged only after the task returns and are given back when a worker dies under one
-(``task_acks_late``, ``task_reject_on_worker_lost``), so a job is never lost: a message whose
-worker was killed outright stays unacknowledged in Redis, and a live worker puts it back on the
-queue once ``Settings.celery_visibility_timeout`` has passed (it looks every few seconds).
-Running a job twice is safe because the job is idempotent. Database and broker hiccups are
-retried with exponential backoff. Each deployment (``Settings.collection``) has its own queue.
+``ingest.jobs.run_ingestion_job``, the function the embedded default runs in process, on one
+runtime (its model, index and sessions, loaded at its first job). The queue's delivery rules are
+``ingest.broker``'s. Running a job twice is safe because the job is idempotent. Database and
+broker hiccups are retried with exponential backoff.
 
 A worker refuses to start on a database whose schema is not its release's (unless told to
 migrate: ``INHERENT_MIGRATE_ON_START``). Each worker and API process has its own data directory:
@@ -19,27 +16,22 @@ from __future__ import annotations
 
 import contextlib
 import random
-from functools import lru_cache
 
 from celery import Celery
 from celery.signals import worker_init, worker_ready, worker_shutdown
 from sqlalchemy.exc import DBAPIError, OperationalError
 
 from ingest import jobs
+from ingest.broker import INGEST_TASK, configured_celery
 from provenance.migrate import SchemaMismatch, ready_schema
 from provenance.settings import Settings, get_settings
 from provenance.vector_index import close_vector_indexes
 
-INGEST_TASK = "inherent.ingest"
 MAX_RETRIES = 5
 BACKOFF_BASE_S = 5.0
 BACKOFF_MAX_S = 300.0
 # Failures worth another attempt: the database or the broker went away for a moment.
 TRANSIENT_ERRORS = (OperationalError, DBAPIError, ConnectionError, TimeoutError)
-
-
-def queue_name(settings: Settings) -> str:
-    return f"inherent.ingest.{settings.collection}"
 
 
 def backoff_s(retries: int) -> float:
@@ -48,33 +40,15 @@ def backoff_s(retries: int) -> float:
 
 
 def make_celery(settings: Settings) -> Celery:
-    app = Celery("inherent", broker=settings.redis_url or "memory://", set_as_current=False)
-    app.conf.update(
-        task_acks_late=True,
-        task_reject_on_worker_lost=True,
-        worker_prefetch_multiplier=1,
-        task_default_queue=queue_name(settings),
-        task_ignore_result=True,
-        task_serializer="json",
-        accept_content=["json"],
-        broker_connection_retry_on_startup=True,
-        broker_transport_options={
-            "visibility_timeout": settings.celery_visibility_timeout,
-            # Sweep for expired messages at every interval (kombu's default only scans every
-            # tenth, ~100 s), at most every 10 s and at least 4 times per timeout.
-            "unacked_restore_interval": max(0.5, min(10.0, settings.celery_visibility_timeout / 4)),
-            "unacked_restore_throttle": 1,
-        },
-        # A broker restart must not cancel the job in hand: it finishes and records its outcome
-        # in the database (the job row is the truth); the worker reconnects afterwards.
-        worker_cancel_long_running_tasks_on_connection_loss=False,
-        worker_hijack_root_logger=False,
-    )
+    """The worker's app: the broker's configuration and the ingestion task, which runs every job
+    on this worker's runtime."""
+    app = configured_celery(settings)
+    runtime = jobs.Runtime(settings)
 
     @app.task(name=INGEST_TASK, bind=True, max_retries=MAX_RETRIES, shared=False)
     def ingest(self, job_id: str) -> None:
         try:
-            jobs.run_ingestion_job(settings, job_id)
+            jobs.run_ingestion_job(runtime, job_id)
         except TRANSIENT_ERRORS as error:
             if self.request.retries >= MAX_RETRIES:
                 raise
@@ -87,16 +61,6 @@ def make_celery(settings: Settings) -> Celery:
             raise self.retry(exc=error, countdown=delay) from error
 
     return app
-
-
-@lru_cache(maxsize=4)
-def _celery(redis_url: str, collection: str) -> Celery:
-    return make_celery(Settings(redis_url=redis_url, collection=collection))
-
-
-def celery_for(settings: Settings) -> Celery:
-    """A producer app for these settings (its queue follows ``settings.collection``)."""
-    return _celery(settings.redis_url, settings.collection)
 
 
 # What `celery -A ingest.celery_app worker` runs: the app for this process's environment.

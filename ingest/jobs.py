@@ -23,14 +23,15 @@ from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from datetime import datetime
-from functools import lru_cache
+from enum import StrEnum
+from functools import cached_property, lru_cache
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from sqlalchemy import select
 
 from ingest.chunking import Chunker
-from ingest.embedding import TransformersEmbedder, load_embedder
+from ingest.embedding import Embedder, load_embedder
 from ingest.loaders import Limits, LoadResult, load_bytes, load_paths
 from ingest.pipeline import Cleanup, IndexProgress, chunker_for, index_sources
 from provenance import truth, uploads
@@ -42,8 +43,21 @@ from provenance.settings import Settings
 from provenance.truth import SessionFactory, SourceInfo, VersionInfo
 from provenance.vector_index import VectorIndex, open_vector_index
 
+if TYPE_CHECKING:
+    from celery import Celery
+
 DEFAULT_BATCH_SIZE = 64
-TERMINAL_STATES = ("succeeded", "failed")
+
+
+class JobState(StrEnum):
+    # Member names are the stored values, so no adapter can store one for the other.
+    queued = "queued"
+    running = "running"
+    succeeded = "succeeded"
+    failed = "failed"
+
+
+TERMINAL_STATES = (JobState.succeeded, JobState.failed)
 
 
 class JobNotFound(LookupError):
@@ -58,7 +72,7 @@ class SourceNotFound(LookupError):
 class JobStatus:
     id: str
     tenant_id: str
-    state: str  # queued | running | succeeded | failed
+    state: JobState
     created_at: datetime
     updated_at: datetime
     request: dict[str, Any]  # {"paths": [...], "cleanup": None | "full", "prefix": str, ...}
@@ -82,7 +96,7 @@ class JobStatus:
         return cls(
             id=row.id,
             tenant_id=row.tenant_id,
-            state=row.state,
+            state=JobState(row.state),
             created_at=row.created_at,
             updated_at=row.updated_at,
             request=dict(row.request or {}),
@@ -107,14 +121,44 @@ class SourceChange:
     epoch: int | None  # the epoch that closed it (None when nothing changed)
 
 
-@dataclass(frozen=True, slots=True)
 class Runtime:
-    """What an ingestion needs, built once per process and settings."""
+    """What ingestion runs on: the settings, the database sessions, the embedder, the vector
+    index it writes, the chunker that fits the embedder and the broker's producer. One per
+    process, passed to every job: the API hands its own (the embedder and index it answers
+    with); a worker or the CLI builds one from its settings, each part loaded on first use."""
 
-    sessions: SessionFactory
-    embedder: TransformersEmbedder
-    index: VectorIndex
-    chunker: Chunker
+    def __init__(
+        self, settings: Settings, embedder: Embedder | None = None, index: VectorIndex | None = None
+    ) -> None:
+        self.settings = settings
+        if embedder is not None:
+            self.embedder = embedder
+        if index is not None:
+            self.index = index
+
+    @cached_property
+    def sessions(self) -> SessionFactory:
+        return get_sessionmaker(_url(self.settings))
+
+    @cached_property
+    def embedder(self) -> Embedder:
+        return load_embedder(self.settings)
+
+    @cached_property
+    def index(self) -> VectorIndex:
+        return open_vector_index(self.settings, self.embedder.dim)
+
+    @cached_property
+    def chunker(self) -> Chunker:
+        return chunker_for(self.embedder, self.settings)
+
+    @cached_property
+    def producer(self) -> Celery:
+        """Sends jobs to the Celery workers (with ``Settings.redis_url``); Celery is imported
+        only by a process that sends."""
+        from ingest.broker import configured_celery
+
+        return configured_celery(self.settings)
 
 
 @lru_cache(maxsize=8)
@@ -123,26 +167,13 @@ def _schema_ready(url: str, migrate: bool) -> bool:
     return True
 
 
-def _sessions(settings: Settings) -> SessionFactory:
-    return get_sessionmaker(_url(settings))
-
-
-def runtime(settings: Settings) -> Runtime:
-    """The database sessions, embedder, vector index and chunker for these settings; the model
-    and the index are opened once per process."""
-    sessions = _sessions(settings)
-    embedder = load_embedder(settings)
-    index = open_vector_index(settings, embedder.dim)
-    return Runtime(sessions, embedder, index, chunker_for(embedder, settings))
-
-
 # ---------------------------------------------------------------------------------------------
 # Jobs
 # ---------------------------------------------------------------------------------------------
 
 
 def submit_ingestion(
-    settings: Settings,
+    runtime: Runtime,
     tenant_id: str,
     paths: Sequence[str | Path],
     cleanup: Cleanup = None,
@@ -160,11 +191,11 @@ def submit_ingestion(
     polls the job row until the job finishes.
     """
     request = {"paths": [str(Path(p).resolve()) for p in paths]}
-    return _submit(settings, tenant_id, request, [], cleanup, prefix, batch_size, wait)
+    return _submit(runtime, tenant_id, request, [], cleanup, prefix, batch_size, wait)
 
 
 def submit_upload_ingestion(
-    settings: Settings,
+    runtime: Runtime,
     tenant_id: str,
     files: Sequence[tuple[str, bytes]],
     cleanup: Cleanup = None,
@@ -179,12 +210,12 @@ def submit_upload_ingestion(
     uploads = [{"name": name, "blake3": blake3_hex(data), "size": len(data)} for name, data in files]
     request = {"uploads": uploads}
     return _submit(
-        settings, tenant_id, request, [data for _, data in files], cleanup, prefix, batch_size, wait
+        runtime, tenant_id, request, [data for _, data in files], cleanup, prefix, batch_size, wait
     )
 
 
 def _submit(
-    settings: Settings,
+    runtime: Runtime,
     tenant_id: str,
     request: dict[str, Any],
     blobs: Sequence[bytes],
@@ -197,37 +228,38 @@ def _submit(
         raise ValueError(f"cleanup must be None or 'full', not {cleanup!r}")
     job_id = uuid.uuid4().hex
     request = {**request, "cleanup": cleanup, "prefix": prefix, "batch_size": batch_size}
-    with session_scope(_url(settings)) as session:
+    with session_scope(_url(runtime.settings)) as session:
         truth.ensure_tenant(session, tenant_id)
         for data in blobs:
             uploads.store(session, tenant_id, data)
-        session.add(IngestionJob(id=job_id, tenant_id=tenant_id, state="queued", request=request))
-    _dispatch(settings, job_id, wait)
+        session.add(IngestionJob(id=job_id, tenant_id=tenant_id, state=JobState.queued, request=request))
+    _dispatch(runtime, job_id, wait)
     return job_id
 
 
-def rerun_job(settings: Settings, job_id: str, *, wait: bool = False) -> None:
+def rerun_job(runtime: Runtime, job_id: str, *, wait: bool = False) -> None:
     """Run a job again (after a worker died under it, say); it converges to the same state."""
-    if get_job(settings, job_id) is None:
+    if get_job(runtime.settings, job_id) is None:
         raise JobNotFound(job_id)
-    _update_job(settings, job_id, state="queued")
-    _dispatch(settings, job_id, wait)
+    _update_job(runtime.settings, job_id, state=JobState.queued)
+    _dispatch(runtime, job_id, wait)
 
 
-def _dispatch(settings: Settings, job_id: str, wait: bool) -> None:
+def _dispatch(runtime: Runtime, job_id: str, wait: bool) -> None:
+    settings = runtime.settings
     if settings.redis_url:
-        from ingest.celery_app import INGEST_TASK, celery_for
+        from ingest.broker import INGEST_TASK
 
-        task = celery_for(settings).send_task(INGEST_TASK, args=[job_id])
+        task = runtime.producer.send_task(INGEST_TASK, args=[job_id])
         _update_job(settings, job_id, celery_task_id=task.id)
         if wait:
             wait_for_job(settings, job_id)
     elif wait:
-        run_ingestion_job(settings, job_id)
+        run_ingestion_job(runtime, job_id)
     else:
         # Claimed by this process while queued in its pool, so a restart can tell it was lost.
         _update_job(settings, job_id, summary={"runner": runner()})
-        _pool(settings.ingest_workers).submit(_run_quietly, settings, job_id)
+        _pool(settings.ingest_workers).submit(_run_quietly, runtime, job_id)
 
 
 @lru_cache(maxsize=4)
@@ -237,10 +269,10 @@ def _pool(workers: int) -> ThreadPoolExecutor:
     return ThreadPoolExecutor(workers, thread_name_prefix="inherent-ingest")
 
 
-def _run_quietly(settings: Settings, job_id: str) -> None:
+def _run_quietly(runtime: Runtime, job_id: str) -> None:
     # The job row records the failure; a pool thread has no one to raise to.
     try:
-        run_ingestion_job(settings, job_id)
+        run_ingestion_job(runtime, job_id)
     except Exception:
         return
 
@@ -289,7 +321,7 @@ def fail_orphaned_jobs(settings: Settings) -> list[str]:
     orphaned = []
     with session_scope(_url(settings), write=True) as session:
         rows = session.scalars(
-            select(IngestionJob).where(IngestionJob.state.in_(("queued", "running")))
+            select(IngestionJob).where(IngestionJob.state.in_((JobState.queued, JobState.running)))
         )
         for row in rows:
             holder = (row.summary or {}).get("runner")
@@ -302,7 +334,7 @@ def fail_orphaned_jobs(settings: Settings) -> list[str]:
                 ),
                 "runner": holder,
             }
-            row.state = "failed"
+            row.state = JobState.failed
             orphaned.append(row.id)
     return orphaned
 
@@ -338,21 +370,22 @@ def wait_for_job(
         time.sleep(poll_s)
 
 
-def run_ingestion_job(settings: Settings, job_id: str) -> JobStatus:
+def run_ingestion_job(runtime: Runtime, job_id: str) -> JobStatus:
     """The task body, the same under Celery and in process: load the paths, index them, sweep
     the tenant's vectors, record the outcome. A job that already succeeded returns at once."""
+    settings, rt = runtime.settings, runtime
     with session_scope(_url(settings)) as session:
         row = session.get(IngestionJob, job_id)
         if row is None:
             raise JobNotFound(job_id)
-        if row.state == "succeeded":
+        if row.state == JobState.succeeded:
             return JobStatus.of(row)
         tenant_id, request = row.tenant_id, dict(row.request)
     # A fresh attempt recounts from zero: what an earlier attempt committed shows up as unchanged.
     _update_job(
         settings,
         job_id,
-        state="running",
+        state=JobState.running,
         done_sources=0,
         total_sources=0,
         chunks_embedded=0,
@@ -361,7 +394,6 @@ def run_ingestion_job(settings: Settings, job_id: str) -> JobStatus:
         summary={"runner": runner()},
     )
     try:
-        rt = runtime(settings)
         loaded = _load(settings, tenant_id, request)
 
         def progress(p: IndexProgress) -> None:
@@ -394,7 +426,7 @@ def run_ingestion_job(settings: Settings, job_id: str) -> JobStatus:
         rt.index.optimize()
     except Exception as error:
         _update_job(
-            settings, job_id, state="failed", summary={"error": f"{type(error).__name__}: {error}"}
+            settings, job_id, state=JobState.failed, summary={"error": f"{type(error).__name__}: {error}"}
         )
         raise
     summary = {
@@ -404,7 +436,7 @@ def run_ingestion_job(settings: Settings, job_id: str) -> JobStatus:
         "sweep": asdict(swept),
     }
     status = _update_job(
-        settings, job_id, state="succeeded", errors=result.errors, summary=summary
+        settings, job_id, state=JobState.succeeded, errors=result.errors, summary=summary
     )
     if "uploads" in request:
         with session_scope(_url(settings)) as session:
@@ -442,7 +474,7 @@ def note_retry(
     _update_job(
         settings,
         job_id,
-        state="queued",
+        state=JobState.queued,
         summary={
             "error": f"{type(error).__name__}: {error}",
             "retry": attempt,
@@ -493,18 +525,17 @@ def list_versions(settings: Settings, tenant_id: str, source_id: str) -> list[Ve
     return versions
 
 
-def deprecate_source(settings: Settings, tenant_id: str, source_id: str) -> SourceChange:
+def deprecate_source(runtime: Runtime, tenant_id: str, source_id: str) -> SourceChange:
     """Close the source's open version as deprecated at a new epoch; history stays replayable."""
-    return _close(settings, tenant_id, source_id, "deprecated")
+    return _close(runtime, tenant_id, source_id, "deprecated")
 
 
-def delete_source(settings: Settings, tenant_id: str, source_id: str) -> SourceChange:
+def delete_source(runtime: Runtime, tenant_id: str, source_id: str) -> SourceChange:
     """Close the source's open version as deleted (a tombstone); history stays replayable."""
-    return _close(settings, tenant_id, source_id, "deleted")
+    return _close(runtime, tenant_id, source_id, "deleted")
 
 
-def _close(settings: Settings, tenant_id: str, source_id: str, status: str) -> SourceChange:
-    rt = runtime(settings)
+def _close(rt: Runtime, tenant_id: str, source_id: str, status: str) -> SourceChange:
     result = truth.close_source(rt.sessions, rt.index, tenant_id, source_id, status)
     with rt.sessions() as session:
         versions = truth.list_versions(session, tenant_id, source_id)

@@ -31,7 +31,8 @@ class Api:
         return {"Authorization": f"Bearer {self.key(tenant, *scopes)}"}
 
     def ingest(self, tenant: str, *paths: Path) -> jobs.JobStatus:
-        job_id = jobs.submit_ingestion(self.settings, tenant, [str(p) for p in paths], wait=True)
+        runtime = self.client.app.state.services.runtime  # the API's own embedder and index
+        job_id = jobs.submit_ingestion(runtime, tenant, [str(p) for p in paths], wait=True)
         status = jobs.get_job(self.settings, job_id)
         assert status.state == "succeeded", status
         return status

@@ -168,7 +168,7 @@ def test_postgresql_restarted_under_16_live_requests_loses_no_receipt(postgres, 
     upgrade(database_url)
     corpus = tmp_path / "corpus"
     shutil.copytree(Path(str(resources.files("gateway") / "demo_corpus")), corpus)
-    job = jobs.submit_ingestion(settings, "acme", [corpus], wait=True)
+    job = jobs.submit_ingestion(jobs.Runtime(settings), "acme", [corpus], wait=True)
     assert jobs.get_job(settings, job).state == "succeeded"
     with session_scope(database_url, write=True) as session:
         key = create_key(session, "acme", ["chat"]).secret
@@ -255,7 +255,7 @@ def test_redis_restarted_mid_job_the_job_completes_without_duplicates(postgres, 
     files = write_corpus(corpus, 160, seed=3)
     worker = Worker(settings, tmp_path / "worker.log")
     try:
-        job_id = jobs.submit_ingestion(settings, "acme", [corpus], batch_size=8)
+        job_id = jobs.submit_ingestion(jobs.Runtime(settings), "acme", [corpus], batch_size=8)
         wait_until(
             lambda: (s := jobs.get_job(settings, job_id)).state == "running"
             and s.done_sources >= 16,
@@ -269,7 +269,7 @@ def test_redis_restarted_mid_job_the_job_completes_without_duplicates(postgres, 
         first = finished(settings, job_id, worker)
         # The worker reconnected: a job sent after the restart runs too.
         (corpus / "doc-0007.md").write_text("# Document 7\n\nRewritten after the restart.")
-        second = finished(settings, jobs.submit_ingestion(settings, "acme", [corpus]), worker)
+        second = finished(settings, jobs.submit_ingestion(jobs.Runtime(settings), "acme", [corpus]), worker)
     finally:
         worker.stop()
         redis.close()

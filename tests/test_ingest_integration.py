@@ -22,7 +22,7 @@ import redis
 from sqlalchemy import select
 
 from ingest import jobs
-from ingest.celery_app import queue_name
+from ingest.broker import queue_name
 from ingest.chunking import Chunker, normalize_text
 from ingest.embedding import bundled_model_dir, load_tokenizer
 from provenance import truth
@@ -212,7 +212,7 @@ def test_a_worker_ingests_then_versions_changes_and_deletions(deployment, tmp_pa
     files = write_corpus(corpus, 6, seed=1)
     worker = Worker(settings, tmp_path / "worker.log")
     try:
-        first = finished(settings, jobs.submit_ingestion(settings, "acme", [corpus]), worker)
+        first = finished(settings, jobs.submit_ingestion(jobs.Runtime(settings), "acme", [corpus]), worker)
         assert (first.summary["added"], first.summary["epochs"]) == (6, [1])
         assert first.celery_task_id
 
@@ -222,7 +222,7 @@ def test_a_worker_ingests_then_versions_changes_and_deletions(deployment, tmp_pa
         (corpus / "doc-0004.md").write_text("# Document 4\n\nRewritten from scratch.")
         (corpus / "doc-0002.md").unlink()
         second = finished(
-            settings, jobs.submit_ingestion(settings, "acme", [corpus], cleanup="full"), worker
+            settings, jobs.submit_ingestion(jobs.Runtime(settings), "acme", [corpus], cleanup="full"), worker
         )
     finally:
         worker.stop()
@@ -283,7 +283,7 @@ def test_a_job_whose_worker_is_killed_is_redelivered_and_finished_by_another(
 
     worker = Worker(settings, tmp_path / "worker-1.log")
     try:
-        job_id = jobs.submit_ingestion(settings, "acme", [corpus], batch_size=8)
+        job_id = jobs.submit_ingestion(jobs.Runtime(settings), "acme", [corpus], batch_size=8)
         wait_until(
             lambda: (
                 (s := jobs.get_job(settings, job_id)).done_sources >= 24 and s.state == "running"

@@ -90,7 +90,7 @@ EXPECTED_ADDED = [
 
 def ingest_hostile_corpus(settings, folder):
     write_hostile_corpus(folder)
-    status = jobs.get_job(settings, jobs.submit_ingestion(settings, "acme", [folder], wait=True))
+    status = jobs.get_job(settings, jobs.submit_ingestion(jobs.Runtime(settings), "acme", [folder], wait=True))
     assert status.state == "succeeded", status.summary
     assert {k: status.summary[k] for k in ("added", "failed", "skipped")} == {
         "added": len(EXPECTED_ADDED),
@@ -110,7 +110,7 @@ def ingest_hostile_corpus(settings, folder):
     assert sources["faq-nul-meta"].metadata == {"note": "x\0y"}
 
     # The same bytes again: nothing changes, the charset decision included.
-    again = jobs.get_job(settings, jobs.submit_ingestion(settings, "acme", [folder], wait=True))
+    again = jobs.get_job(settings, jobs.submit_ingestion(jobs.Runtime(settings), "acme", [folder], wait=True))
     assert (again.summary["added"], again.summary["updated"], again.summary["unchanged"]) == (
         0,
         0,

@@ -299,7 +299,7 @@ def embedded(tmp_path):
 
 def test_an_ingestion_job_runs_in_process_and_records_its_outcome(embedded):
     settings, folder = embedded
-    job_id = jobs.submit_ingestion(settings, "acme", [folder], wait=True)
+    job_id = jobs.submit_ingestion(jobs.Runtime(settings), "acme", [folder], wait=True)
     status = jobs.get_job(settings, job_id)
     assert status.state == "succeeded" and status.finished
     assert (status.total_sources, status.done_sources) == (3, 3)
@@ -316,16 +316,16 @@ def test_an_ingestion_job_runs_in_process_and_records_its_outcome(embedded):
     assert [s.source_id for s in jobs.list_sources(settings, "acme")] == ["care.md", "sub/herd.txt"]
     assert jobs.list_sources(settings, "acme")[0].latest.title == "Care"
     # Running the same job again (a redelivered message) changes nothing.
-    assert jobs.run_ingestion_job(settings, job_id).summary == status.summary
+    assert jobs.run_ingestion_job(jobs.Runtime(settings), job_id).summary == status.summary
     assert [j.id for j in jobs.list_jobs(settings, "acme")] == [job_id]
 
 
 def test_a_background_job_and_source_administration(embedded):
     settings, folder = embedded
-    jobs.submit_ingestion(settings, "acme", [folder], wait=True)
+    jobs.submit_ingestion(jobs.Runtime(settings), "acme", [folder], wait=True)
     (folder / "sub" / "herd.txt").write_text("A rewritten herd guide.")
     (folder / "care.md").unlink()
-    job_id = jobs.submit_ingestion(settings, "acme", [folder], cleanup="full")
+    job_id = jobs.submit_ingestion(jobs.Runtime(settings), "acme", [folder], cleanup="full")
     status = jobs.wait_for_job(settings, job_id, timeout_s=120)
     assert (status.state, status.summary["updated"], status.summary["deleted"]) == (
         "succeeded",
@@ -338,14 +338,14 @@ def test_a_background_job_and_source_administration(embedded):
         "active",
     ]
 
-    change = jobs.deprecate_source(settings, "acme", "sub/herd.txt")
+    change = jobs.deprecate_source(jobs.Runtime(settings), "acme", "sub/herd.txt")
     assert (change.status, change.changed, change.epoch) == ("deprecated", True, 4)
-    assert jobs.delete_source(settings, "acme", "sub/herd.txt") == jobs.SourceChange(
+    assert jobs.delete_source(jobs.Runtime(settings), "acme", "sub/herd.txt") == jobs.SourceChange(
         "acme", "sub/herd.txt", "deprecated", False, None
     )
-    assert jobs.delete_source(settings, "acme", "care.md").changed is False
+    assert jobs.delete_source(jobs.Runtime(settings), "acme", "care.md").changed is False
     with pytest.raises(jobs.SourceNotFound):
-        jobs.deprecate_source(settings, "acme", "nope.md")
+        jobs.deprecate_source(jobs.Runtime(settings), "acme", "nope.md")
     with pytest.raises(jobs.SourceNotFound):
         jobs.list_versions(settings, "acme", "nope.md")
     assert jobs.get_job(settings, "0" * 32) is None

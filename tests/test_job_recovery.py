@@ -20,17 +20,17 @@ def test_in_process_jobs_run_at_most_ingest_workers_at_a_time(tmp_path, monkeypa
     running, peak, lock = set(), [0], threading.Lock()
     release = threading.Event()
 
-    def fake_run(settings, job_id):
+    def fake_run(runtime, job_id):
         with lock:
             running.add(job_id)
             peak[0] = max(peak[0], len(running))
         release.wait(10)
         with lock:
             running.discard(job_id)
-        jobs._update_job(settings, job_id, state="succeeded")
+        jobs._update_job(runtime.settings, job_id, state="succeeded")
 
     monkeypatch.setattr(jobs, "run_ingestion_job", fake_run)
-    ids = [jobs.submit_ingestion(settings, "acme", [tmp_path]) for _ in range(5)]
+    ids = [jobs.submit_ingestion(jobs.Runtime(settings), "acme", [tmp_path]) for _ in range(5)]
     deadline = time.monotonic() + 10
     while len(running) < 2 and time.monotonic() < deadline:
         time.sleep(0.01)

@@ -127,7 +127,7 @@ async def ingest(
         files, cleanup, prefix = await read_uploads(request, settings)
         job_id = await run_in_threadpool(
             jobs.submit_upload_ingestion,
-            settings,
+            services.runtime,
             principal.tenant_id,
             files,
             cleanup,
@@ -141,7 +141,7 @@ async def ingest(
             ]
             job_id = await run_in_threadpool(
                 jobs.submit_upload_ingestion,
-                settings,
+                services.runtime,
                 principal.tenant_id,
                 [("documents.jsonl", b"\n".join(lines))],
                 body.cleanup,
@@ -151,7 +151,7 @@ async def ingest(
             paths = [allowed_path(p, settings.ingest_allowed_roots) for p in body.paths]
             job_id = await run_in_threadpool(
                 jobs.submit_ingestion,
-                settings,
+                services.runtime,
                 principal.tenant_id,
                 paths,
                 body.cleanup,
@@ -285,7 +285,7 @@ def list_versions(
 def close(kind: str, source_id: str, principal, services) -> dict[str, Any]:
     action = jobs.deprecate_source if kind == "deprecated" else jobs.delete_source
     try:
-        return asdict(action(services.settings, principal.tenant_id, source_id))
+        return asdict(action(services.runtime, principal.tenant_id, source_id))
     except jobs.SourceNotFound as exc:
         raise not_found(f"source {source_id}") from exc
 
