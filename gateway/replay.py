@@ -11,6 +11,7 @@ The drift report says what retrieval would show now and what happened to every c
 
 import difflib
 from dataclasses import dataclass, field
+from enum import StrEnum
 from typing import Any
 
 from sqlalchemy import select
@@ -21,7 +22,14 @@ from gateway.services import PreparedPrompt, Services
 from provenance import memory
 from provenance.hashing import blake3_hex
 from provenance.models import Chunk, Receipt, SourceVersion
+from provenance.receipts import Operation, ReceiptBody
 from provenance.truth import current_epoch
+
+
+class Verdict(StrEnum):
+    identical = "identical"  # the same bits: a batch-invariant receipt, the same numerics
+    tokens_match = "tokens_match"  # the same tokens, no claim about the logits' bits
+    diverged = "diverged"
 
 
 class ReplayRefused(Exception):
@@ -31,6 +39,7 @@ class ReplayRefused(Exception):
 @dataclass(slots=True)
 class ReplayPlan:
     receipt: Receipt
+    body: ReceiptBody
     prompt: PreparedPrompt
     params: SamplingParams
     context_verified: bool
@@ -41,8 +50,7 @@ class ReplayPlan:
 @dataclass(slots=True)
 class ReplayResult:
     receipt_id: str
-    # identical | tokens_match | diverged; None when the context could not be verified
-    verdict: str | None
+    verdict: Verdict | None  # None when the context could not be verified
     first_divergent_token: int | None
     original_output_hash: str
     replayed_output_hash: str | None
@@ -55,18 +63,18 @@ class ReplayResult:
 
 
 def plan_replay(services: Services, session: Session, receipt: Receipt) -> ReplayPlan:
-    body = receipt.body
-    if body["inherent.model.weights_hash"] != services.weights_hash:
+    body = ReceiptBody.of(receipt)
+    if body.weights_hash != services.weights_hash:
         raise ReplayRefused(
-            f"the receipt was produced with weights {body['inherent.model.weights_hash']} but this server "
+            f"the receipt was produced with weights {body.weights_hash} but this server "
             f"runs weights {services.weights_hash}; replay needs the same model"
         )
     prompt, problems = rebuild_prompt(services, session, receipt)
     # Every sampling field the receipt recorded (older receipts: fewer, the rest default); a
     # replay reuses only its own tenant's cached prefixes.
-    params = SamplingParams(**{**body["inherent.request.sampling"], "cache_salt": receipt.tenant_id})
+    params = SamplingParams(**{**body.sampling, "cache_salt": body.tenant_id})
     return ReplayPlan(
-        receipt, prompt, params, not problems, problems, drift_report(services, session, receipt)
+        receipt, body, prompt, params, not problems, problems, drift_report(services, session, body)
     )
 
 
@@ -75,28 +83,26 @@ def rebuild_prompt(
 ) -> tuple[PreparedPrompt, list[str]]:
     """The exact prompt the receipt's request saw, from its pinned chunk versions, and what could
     not be verified (missing chunks, hash mismatches, a prompt that no longer hashes the same)."""
-    body = receipt.body
+    body = ReceiptBody.of(receipt)
     problems: list[str] = []
     chunks: list[memory.RetrievedChunk] = []
-    if body["inherent.retrieval.enabled"]:
-        chunks, problems = memory.pinned_chunks(
-            session, receipt.tenant_id, body["inherent.retrieval.chunks"]
-        )
-    if body["gen_ai.operation.name"] == "text_completion":
-        prompt = services.completion_prompt(body["inherent.request.prompt"])
+    if body.retrieval_enabled:
+        chunks, problems = memory.pinned_chunks(session, body.tenant_id, body.chunks)
+    if body.operation == Operation.text_completion:
+        prompt = services.completion_prompt(body.prompt)
     else:
-        prompt = services.prompt_from_chunks(body["inherent.request.messages"], None, chunks)
-    if not problems and blake3_hex(prompt.prompt_text) != body["inherent.prompt.hash"]:
+        prompt = services.prompt_from_chunks(body.messages, None, chunks)
+    if not problems and blake3_hex(prompt.prompt_text) != body.prompt_hash:
         problems.append(
             "the rebuilt prompt does not hash to the receipt's prompt hash (template or tokenizer changed)"
         )
     return prompt, problems
 
 
-def bitwise_claim(services: Services, receipt: Receipt) -> tuple[bool, str | None]:
-    """Whether a replay of ``receipt`` here may claim bit-identical output, and if a batch-
+def bitwise_claim(services: Services, body: ReceiptBody) -> tuple[bool, str | None]:
+    """Whether a replay of the receipt here may claim bit-identical output, and if a batch-
     invariant receipt cannot get that claim, why."""
-    recorded = receipt.body["inherent.engine"]
+    recorded = body.engine
     if not recorded.get("batch_invariant"):
         return False, None
     differs = sorted(k for k in recorded.keys() | services.engine_numerics.keys()
@@ -111,7 +117,7 @@ def bitwise_claim(services: Services, receipt: Receipt) -> tuple[bool, str | Non
 
 def verdict(
     original: list[int], replayed: list[int], bitwise: bool
-) -> tuple[str, int | None, float]:
+) -> tuple[Verdict, int | None, float]:
     first = next(
         (i for i, (a, b) in enumerate(zip(original, replayed, strict=False)) if a != b), None
     )
@@ -121,17 +127,15 @@ def verdict(
         len(original), len(replayed), 1
     )
     if first is not None:
-        return "diverged", first, agreement
-    return ("identical" if bitwise else "tokens_match"), None, agreement
+        return Verdict.diverged, first, agreement
+    return (Verdict.identical if bitwise else Verdict.tokens_match), None, agreement
 
 
 async def replay(services: Services, plan: ReplayPlan) -> ReplayResult:
-    body = plan.receipt.body
-    original_ids = body["inherent.output.token_ids"]
-    bitwise, why_not = bitwise_claim(services, plan.receipt)
+    bitwise, why_not = bitwise_claim(services, plan.body)
     base = dict(
         receipt_id=plan.receipt.id,
-        original_output_hash=body["inherent.output.hash"],
+        original_output_hash=plan.body.output_hash,
         context_verified=plan.context_verified,
         problems=plan.problems + ([why_not] if why_not else []),
         bitwise_claim=bitwise,
@@ -152,7 +156,7 @@ async def replay(services: Services, plan: ReplayPlan) -> ReplayResult:
     ):
         text += out.text
         ids.extend(out.token_ids)
-    outcome, first, agreement = verdict(original_ids, ids, bitwise)
+    outcome, first, agreement = verdict(plan.body.output_token_ids, ids, bitwise)
     return ReplayResult(
         verdict=outcome,
         first_divergent_token=first,
@@ -163,40 +167,31 @@ async def replay(services: Services, plan: ReplayPlan) -> ReplayResult:
     )
 
 
-def drift_report(services: Services, session: Session, receipt: Receipt) -> dict[str, Any]:
+def drift_report(services: Services, session: Session, body: ReceiptBody) -> dict[str, Any]:
     """What changed since the receipt: retrieval now, and the fate of each cited source."""
-    body = receipt.body
-    if not body["inherent.retrieval.enabled"]:
+    if not body.retrieval_enabled:
         return {"retrieval_enabled": False}
-    now_epoch = current_epoch(session, receipt.tenant_id)
+    now_epoch = current_epoch(session, body.tenant_id)
     now = memory.retrieve(
         session,
         services.embedder,
         services.index,
-        body["inherent.retrieval.query"],
-        receipt.tenant_id,
+        body.retrieval_query,
+        body.tenant_id,
         now_epoch,
-        max(len(body["inherent.retrieval.chunks"]), 1),
+        max(len(body.chunks), 1),
         min_score=services.settings.retrieval_min_score,
     )
-    sources = []
-    cited = {(c["source_id"], c["version"]) for c in body["inherent.retrieval.chunks"]}
-    for source_id, version in sorted(cited):
-        sources.append(
-            source_drift(
-                session,
-                receipt.tenant_id,
-                source_id,
-                version,
-                body["inherent.retrieval.chunks"],
-                now_epoch,
-            )
-        )
-    then_ids = [c["chunk_id"] for c in body["inherent.retrieval.chunks"]]
+    cited = {(c["source_id"], c["version"]) for c in body.chunks}
+    sources = [
+        source_drift(session, body.tenant_id, source_id, version, body.chunks, now_epoch)
+        for source_id, version in sorted(cited)
+    ]
+    then_ids = [c["chunk_id"] for c in body.chunks]
     now_ids = [c.chunk_id for c in now.chunks]
     return {
         "retrieval_enabled": True,
-        "snapshot_epoch": body["inherent.retrieval.snapshot_epoch"],
+        "snapshot_epoch": body.snapshot_epoch,
         "current_epoch": now_epoch,
         "retrieval_unchanged": then_ids == now_ids,
         "retrieved_now": [c.citation() for c in now.chunks],

@@ -14,7 +14,7 @@ what was committed (identical content is a no-op).
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import Literal
 
 from ingest.chunking import Chunker, normalize_text
@@ -58,17 +58,8 @@ class IndexResult:
     epochs: list[int] = field(default_factory=list)  # the epochs this run committed
 
     def counts(self) -> dict[str, int]:
-        return {
-            "added": self.added,
-            "updated": self.updated,
-            "unchanged": self.unchanged,
-            "deprecated": self.deprecated,
-            "deleted": self.deleted,
-            "failed": self.failed,
-            "skipped": self.skipped,
-            "chunks_embedded": self.chunks_embedded,
-            "chunks_skipped": self.chunks_skipped,
-        }
+        """The counters (every int field), as a job's summary records them."""
+        return {name: value for name, value in asdict(self).items() if isinstance(value, int)}
 
     def absorb(self, commit: truth.CommitResult) -> None:
         self.added += len(commit.added)

@@ -7,8 +7,10 @@ exports as span attributes unchanged; what the conventions lack lives under ``in
 import secrets
 from dataclasses import dataclass, field
 from datetime import datetime
+from enum import StrEnum
 from typing import Any
 
+from pydantic import BaseModel, ConfigDict, Field
 from sqlalchemy import and_, or_, select
 from sqlalchemy.orm import Session
 
@@ -16,7 +18,31 @@ from provenance import audit_log
 from provenance.hashing import blake3_hex
 from provenance.models import Receipt, ReceiptCitation, utcnow
 
-STATUSES = ("ok", "failed", "cancelled")
+
+class ReceiptStatus(StrEnum):
+    # Member names are the stored values, so no adapter can store one for the other.
+    ok = "ok"
+    failed = "failed"
+    cancelled = "cancelled"  # the client went away
+
+
+class Operation(StrEnum):
+    chat = "chat"
+    text_completion = "text_completion"  # the legacy completions API
+
+
+STATUSES = tuple(status.value for status in ReceiptStatus)
+# The conventions' request attributes, each the sampling field of that name (stored with the
+# body; a reader takes them from ``sampling``).
+SAMPLING_ATTRIBUTES = {
+    "gen_ai.request.temperature": "temperature",
+    "gen_ai.request.top_p": "top_p",
+    "gen_ai.request.top_k": "top_k",
+    "gen_ai.request.max_tokens": "max_tokens",
+    "gen_ai.request.seed": "seed",
+    "gen_ai.request.presence_penalty": "presence_penalty",
+    "gen_ai.request.frequency_penalty": "frequency_penalty",
+}
 
 
 def new_receipt_id() -> str:
@@ -45,60 +71,108 @@ class ReceiptRecord:
     finish_reason: str | None = None
     timeline: dict[str, Any] = field(default_factory=dict)
     error: dict[str, Any] | None = None
-    operation: str = "chat"  # or "text_completion" (the legacy completions API)
+    operation: Operation = Operation.chat
     completion_prompt: str | list[int] | None = None  # a text completion's prompt, as sent
     request_id: str | None = None  # X-Request-Id: joins the receipt to logs and traces
 
     @property
-    def status(self) -> str:
+    def status(self) -> ReceiptStatus:
         if not self.error:
-            return "ok"
+            return ReceiptStatus.ok
         # A client that went away is not a failure of the system; reviewers filter them apart.
-        return "cancelled" if self.error.get("type") == "cancelled" else "failed"
+        if self.error.get("type") == "cancelled":
+            return ReceiptStatus.cancelled
+        return ReceiptStatus.failed
 
-    def body(self) -> dict[str, Any]:
+    def body(self) -> "ReceiptBody":
         retrieval = self.retrieval or {}
+        error = self.error or {}
+        return ReceiptBody(
+            receipt_id=self.receipt_id,
+            status=self.status,
+            created_at=self.created_at.isoformat(),
+            tenant_id=self.tenant_id,
+            api_key_id=self.api_key_id,
+            operation=self.operation,
+            model=self.model_id,
+            finish_reasons=[self.finish_reason] if self.finish_reason else [],
+            input_tokens=self.prompt_token_count,
+            request_id=self.request_id,
+            messages=self.messages,
+            prompt=self.completion_prompt,
+            sampling=self.sampling,
+            weights_hash=self.weights_hash,
+            engine=self.engine,
+            retrieval_enabled=self.retrieval is not None,
+            retrieval_query=retrieval.get("query"),
+            snapshot_epoch=retrieval.get("snapshot_epoch"),
+            embedding_model=retrieval.get("embedding_model"),
+            chunks=retrieval.get("chunks", []),
+            template=self.template_version,
+            prompt_hash=blake3_hex(self.prompt_text),
+            output_text=self.output_text,
+            output_hash=blake3_hex(self.output_text),
+            output_token_ids=self.output_token_ids,
+            timeline=self.timeline,
+            error_type=error.get("type"),
+            error_message=error.get("message"),
+        )
+
+
+class ReceiptBody(BaseModel):
+    """A receipt as stored and hashed into the audit log. Each field's alias is its
+    OpenTelemetry GenAI name, or its ``inherent.*`` name where the conventions have none;
+    readers go through this model (``ReceiptBody.of(receipt)``), never through the names."""
+
+    model_config = ConfigDict(validate_by_name=True, frozen=True)
+
+    receipt_id: str
+    status: ReceiptStatus
+    created_at: str  # ISO 8601
+    tenant_id: str
+    api_key_id: str | None
+    operation: Operation = Field(alias="gen_ai.operation.name")
+    provider: str = Field("inherent", alias="gen_ai.provider.name")
+    model: str = Field(alias="gen_ai.request.model")
+    finish_reasons: list[str] = Field(alias="gen_ai.response.finish_reasons")
+    input_tokens: int = Field(alias="gen_ai.usage.input_tokens")
+    request_id: str | None = Field(None, alias="inherent.request.id")  # X-Request-Id
+    messages: list[dict[str, Any]] = Field(alias="inherent.request.messages")
+    # A text completion's prompt as sent: text or token ids.
+    prompt: str | list[int] | None = Field(None, alias="inherent.request.prompt")
+    # Every SamplingParams field (older receipts: fewer; replay defaults the rest).
+    sampling: dict[str, Any] = Field(alias="inherent.request.sampling")
+    weights_hash: str = Field(alias="inherent.model.weights_hash")
+    engine: dict[str, Any] = Field(alias="inherent.engine")  # the numerics that shape the bits
+    retrieval_enabled: bool = Field(alias="inherent.retrieval.enabled")
+    retrieval_query: str | None = Field(alias="inherent.retrieval.query")
+    snapshot_epoch: int | None = Field(alias="inherent.retrieval.snapshot_epoch")
+    embedding_model: str | None = Field(alias="inherent.retrieval.embedding_model")
+    # The chunks the prompt held, as provenance.memory records them (RetrievedChunk's fields).
+    chunks: list[dict[str, Any]] = Field(alias="inherent.retrieval.chunks")
+    template: str = Field(alias="inherent.prompt.template")
+    prompt_hash: str = Field(alias="inherent.prompt.hash")
+    output_text: str = Field(alias="inherent.output.text")
+    output_hash: str = Field(alias="inherent.output.hash")
+    output_token_ids: list[int] = Field(alias="inherent.output.token_ids")
+    timeline: dict[str, Any] = Field(default_factory=dict, alias="inherent.timeline")
+    error_type: str | None = Field(None, alias="error.type")
+    error_message: str | None = Field(None, alias="error.message")
+
+    @classmethod
+    def of(cls, receipt: Receipt) -> "ReceiptBody":
+        return cls.model_validate(receipt.body)
+
+    def stored(self) -> dict[str, Any]:
+        """The body as the database and the audit log hold it, under the conventions' names,
+        with the conventions' attributes that repeat what the fields say."""
         return {
-            "receipt_id": self.receipt_id,
-            "status": self.status,
-            "created_at": self.created_at.isoformat(),
-            "tenant_id": self.tenant_id,
-            "api_key_id": self.api_key_id,
-            "gen_ai.operation.name": self.operation,
-            "gen_ai.provider.name": "inherent",
-            "gen_ai.request.model": self.model_id,
-            "gen_ai.request.temperature": self.sampling.get("temperature"),
-            "gen_ai.request.top_p": self.sampling.get("top_p"),
-            "gen_ai.request.top_k": self.sampling.get("top_k"),
-            "gen_ai.request.max_tokens": self.sampling.get("max_tokens"),
-            "gen_ai.request.seed": self.sampling.get("seed"),
+            **self.model_dump(mode="json", by_alias=True),
+            **{name: self.sampling.get(key) for name, key in SAMPLING_ATTRIBUTES.items()},
             "gen_ai.request.stop_sequences": self.sampling.get("stop", []),
-            "gen_ai.request.presence_penalty": self.sampling.get("presence_penalty"),
-            "gen_ai.request.frequency_penalty": self.sampling.get("frequency_penalty"),
             "gen_ai.response.id": self.receipt_id,
-            "gen_ai.response.model": self.model_id,
-            "gen_ai.response.finish_reasons": [self.finish_reason] if self.finish_reason else [],
-            "gen_ai.usage.input_tokens": self.prompt_token_count,
+            "gen_ai.response.model": self.model,
             "gen_ai.usage.output_tokens": len(self.output_token_ids),
-            "inherent.request.id": self.request_id,
-            "inherent.request.messages": self.messages,
-            "inherent.request.prompt": self.completion_prompt,
-            "inherent.request.sampling": self.sampling,
-            "inherent.model.weights_hash": self.weights_hash,
-            "inherent.engine": self.engine,
-            "inherent.retrieval.enabled": self.retrieval is not None,
-            "inherent.retrieval.query": retrieval.get("query"),
-            "inherent.retrieval.snapshot_epoch": retrieval.get("snapshot_epoch"),
-            "inherent.retrieval.embedding_model": retrieval.get("embedding_model"),
-            "inherent.retrieval.chunks": retrieval.get("chunks", []),
-            "inherent.prompt.template": self.template_version,
-            "inherent.prompt.hash": blake3_hex(self.prompt_text),
-            "inherent.output.text": self.output_text,
-            "inherent.output.hash": blake3_hex(self.output_text),
-            "inherent.output.token_ids": self.output_token_ids,
-            "inherent.timeline": self.timeline,
-            "error.type": (self.error or {}).get("type"),
-            "error.message": (self.error or {}).get("message"),
         }
 
 
@@ -111,15 +185,15 @@ def write_receipt(session: Session, record: ReceiptRecord) -> Receipt:
         api_key_id=record.api_key_id,
         created_at=record.created_at,
         status=record.status,
-        snapshot_epoch=body["inherent.retrieval.snapshot_epoch"],
+        snapshot_epoch=body.snapshot_epoch,
         model_id=record.model_id,
         weights_hash=record.weights_hash,
-        prompt_hash=body["inherent.prompt.hash"],
-        output_hash=body["inherent.output.hash"],
-        body=body,
+        prompt_hash=body.prompt_hash,
+        output_hash=body.output_hash,
+        body=body.stored(),
     )
     session.add(receipt)
-    cited = {(c["source_id"], c["version"]) for c in body["inherent.retrieval.chunks"]}
+    cited = {(c["source_id"], c["version"]) for c in body.chunks}
     session.add_all(
         ReceiptCitation(receipt_id=receipt.id, source_id=s, version=v, tenant_id=receipt.tenant_id)
         for s, v in sorted(cited)
@@ -142,7 +216,7 @@ class ReceiptQuery:
     receipt_id: str | None = None
     since: datetime | None = None  # created at or after
     until: datetime | None = None  # created before
-    status: str | None = None
+    status: ReceiptStatus | None = None
     source_id: str | None = None
     version: int | None = None  # only with source_id: receipts that cited this version of it
     newest_first: bool = False
