@@ -373,7 +373,7 @@ def wait_for_job(
 def run_ingestion_job(runtime: Runtime, job_id: str) -> JobStatus:
     """The task body, the same under Celery and in process: load the paths, index them, sweep
     the tenant's vectors, record the outcome. A job that already succeeded returns at once."""
-    settings, rt = runtime.settings, runtime
+    settings = runtime.settings
     with session_scope(_url(settings)) as session:
         row = session.get(IngestionJob, job_id)
         if row is None:
@@ -412,18 +412,18 @@ def run_ingestion_job(runtime: Runtime, job_id: str) -> JobStatus:
             failures=loaded.failures,
             skipped=loaded.skipped,
             tenant_id=tenant_id,
-            sessions=rt.sessions,
-            embedder=rt.embedder,
-            index=rt.index,
-            chunker=rt.chunker,
+            sessions=runtime.sessions,
+            embedder=runtime.embedder,
+            index=runtime.index,
+            chunker=runtime.chunker,
             cleanup=request.get("cleanup"),
             cleanup_prefix=request.get("prefix", ""),
             progress=progress,
             batch_size=int(request.get("batch_size", DEFAULT_BATCH_SIZE)),
             job_id=job_id,
         )
-        swept = truth.sweep(rt.sessions, rt.index, tenant_id, model_id=rt.embedder.model_id)
-        rt.index.optimize()
+        swept = truth.sweep(runtime.sessions, runtime.index, tenant_id, model_id=runtime.embedder.model_id)
+        runtime.index.optimize()
     except Exception as error:
         _update_job(
             settings, job_id, state=JobState.failed, summary={"error": f"{type(error).__name__}: {error}"}
@@ -535,9 +535,9 @@ def delete_source(runtime: Runtime, tenant_id: str, source_id: str) -> SourceCha
     return _close(runtime, tenant_id, source_id, "deleted")
 
 
-def _close(rt: Runtime, tenant_id: str, source_id: str, status: str) -> SourceChange:
-    result = truth.close_source(rt.sessions, rt.index, tenant_id, source_id, status)
-    with rt.sessions() as session:
+def _close(runtime: Runtime, tenant_id: str, source_id: str, status: str) -> SourceChange:
+    result = truth.close_source(runtime.sessions, runtime.index, tenant_id, source_id, status)
+    with runtime.sessions() as session:
         versions = truth.list_versions(session, tenant_id, source_id)
     if not versions:
         raise SourceNotFound(source_id)
