@@ -11,7 +11,6 @@ import dataclasses
 from typing import Any
 
 from pydantic import Field, model_validator
-from pydantic_settings import EnvSettingsSource, PydanticBaseSettingsSource
 
 from engine.config import EngineConfig
 from provenance.settings import Settings
@@ -35,28 +34,6 @@ def unset(flat_name: str, value: Any) -> bool:
     return value == "" or (flat_name == "threads" and str(value) == "0")
 
 
-class FlatEngineVariables(PydanticBaseSettingsSource):
-    """The engine's fields from flat ``INHERENT_*`` variables, read from the sources that read
-    the other fields (the environment over ``.env``)."""
-
-    def __init__(self, settings_cls: type, *sources: EnvSettingsSource) -> None:
-        super().__init__(settings_cls)
-        self.sources = sources  # lowest priority first
-
-    def get_field_value(self, field, field_name):  # unused: __call__ reads by flat name
-        return None, field_name, False
-
-    def __call__(self) -> dict[str, Any]:
-        prefix = self.config.get("env_prefix", "").lower()
-        values: dict[str, Any] = {}
-        for source in self.sources:
-            for flat_name in ENGINE_NAMES:
-                value = source.env_vars.get(prefix + flat_name)
-                if value is not None:
-                    values[flat_name] = value
-        return values
-
-
 class ServerSettings(Settings):
     engine: EngineConfig = Field(default_factory=EngineConfig)
     # KV cache size in tokens (all layers); 32768 tokens of SmolLM2-135M in float32 = 1.5 GB.
@@ -66,7 +43,17 @@ class ServerSettings(Settings):
     def settings_customise_sources(
         cls, settings_cls, init_settings, env_settings, dotenv_settings, file_secret_settings
     ):
-        engine_variables = FlatEngineVariables(settings_cls, dotenv_settings, env_settings)
+        prefix = settings_cls.model_config["env_prefix"].lower()
+
+        def engine_variables() -> dict[str, Any]:
+            """The engine's fields from flat variables: the environment over ``.env``."""
+            return {
+                flat_name: value
+                for source in (dotenv_settings, env_settings)
+                for flat_name in ENGINE_NAMES
+                if (value := source.env_vars.get(prefix + flat_name)) is not None
+            }
+
         return init_settings, engine_variables, env_settings, dotenv_settings, file_secret_settings
 
     @model_validator(mode="before")
