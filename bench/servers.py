@@ -104,7 +104,7 @@ def inherent_server(data_dir: Path, api_key: str | None = None,
         **({"INHERENT_API_KEY": api_key} if api_key else {}),
         **(extra_env or {}),
     }
-    command = [sys.executable, "-c", "from gateway.cli import app; app()", "serve",
+    command = [sys.executable, "-c", "from gateway.cli import run; run()", "serve",
                "--port", str(port)]
     with running(command, env, "/readyz", data_dir / "server.log", port) as server:
         yield server

@@ -56,14 +56,29 @@ def fail(message: str, code: int = 1) -> None:
     raise typer.Exit(code)
 
 
+def environment_settings(kind: "type[Settings] | None" = None) -> "Settings":
+    """This process's settings (``kind``: the API's tree); an invalid ``INHERENT_*`` value is a
+    one-line error naming it, not a traceback."""
+    from pydantic import ValidationError
+    from pydantic_settings import SettingsError
+
+    from provenance.settings import Settings, get_settings
+
+    try:
+        return get_settings(kind or Settings)
+    except SettingsError as exc:
+        fail(f"invalid settings: {exc}: {exc.__cause__}" if exc.__cause__ else str(exc))
+    except ValidationError as exc:
+        fail(f"invalid settings: {exc}")
+
+
 def ready_settings(settings: "Settings | None" = None) -> "Settings":
     """Settings (the environment's, unless given) with the data directory made and the schema
     at head (migrated here only where ``migrate.ready_schema`` allows it; otherwise a clear
     refusal)."""
     from provenance import migrate
-    from provenance.settings import get_settings
 
-    settings = settings or get_settings()
+    settings = settings or environment_settings()
     settings.data_dir.mkdir(parents=True, exist_ok=True)
     try:
         migrate.ready_schema(settings)
@@ -78,9 +93,8 @@ def db_upgrade(
 ) -> None:
     """Apply migrations up to REVISION (default: head)."""
     from provenance import migrate
-    from provenance.settings import get_settings
 
-    settings = get_settings()
+    settings = environment_settings()
     settings.data_dir.mkdir(parents=True, exist_ok=True)
     migrate.upgrade(settings.sqlalchemy_url, revision)
     console.print(f"database at revision {migrate.current_revision(settings.sqlalchemy_url)}")
@@ -90,9 +104,8 @@ def db_upgrade(
 def db_downgrade(revision: str) -> None:
     """Revert migrations down to REVISION ('base' removes every table)."""
     from provenance import migrate
-    from provenance.settings import get_settings
 
-    settings = get_settings()
+    settings = environment_settings()
     migrate.downgrade(settings.sqlalchemy_url, revision)
     console.print(
         f"database at revision {migrate.current_revision(settings.sqlalchemy_url) or 'base'}"
@@ -103,9 +116,8 @@ def db_downgrade(revision: str) -> None:
 def db_current() -> None:
     """Print the database's revision and the chain's head."""
     from provenance import migrate
-    from provenance.settings import get_settings
 
-    url = get_settings().sqlalchemy_url
+    url = environment_settings().sqlalchemy_url
     console.print(
         f"current: {migrate.current_revision(url) or 'base'}  head: {migrate.head_revision(url)}"
     )
@@ -300,11 +312,10 @@ def serve_settings(**flags) -> "Settings":
     from pydantic import ValidationError
 
     from gateway.settings import ServerSettings
-    from provenance.settings import get_settings
 
     given = {name: value for name, value in flags.items() if value is not None}
     try:
-        settings = ServerSettings(**{**get_settings(ServerSettings).model_dump(), **given})
+        settings = ServerSettings(**{**environment_settings(ServerSettings).model_dump(), **given})
     except ValidationError as exc:
         fail(str(exc))
     if settings.api_key_file and not Path(settings.api_key_file).is_file():
@@ -625,6 +636,20 @@ def demo() -> None:
     """Ingest a small corpus, ask, update an article, replay: the whole product in two minutes."""
     from gateway.demo import run_demo
     from gateway.settings import ServerSettings
-    from provenance.settings import get_settings
 
-    raise typer.Exit(run_demo(get_settings(ServerSettings), console))
+    raise typer.Exit(run_demo(environment_settings(ServerSettings), console))
+
+
+def run() -> None:
+    """The ``inherent`` console script: the app, with a database it cannot reach (a missing
+    data directory, a server that is down) answered by one line instead of a traceback."""
+    try:
+        app()
+    except Exception as exc:
+        from sqlalchemy.exc import OperationalError
+
+        if not isinstance(exc, OperationalError):
+            raise
+        err_console.print(f"[bold red]error:[/] cannot use the database: {exc.orig}",
+                          soft_wrap=True)
+        raise SystemExit(1) from None

@@ -7,12 +7,14 @@ Qdrant, Redis and the operator's own weights. The API process's tree adds the en
 settings (``gateway.settings.ServerSettings``); an ingestion worker needs only these.
 """
 
+import json
+import os
 from functools import lru_cache
 from pathlib import Path
-from typing import Literal, TypeVar
+from typing import Annotated, Literal, TypeVar
 
-from pydantic import Field
-from pydantic_settings import BaseSettings, SettingsConfigDict
+from pydantic import Field, field_validator
+from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 
 class Settings(BaseSettings):
@@ -81,12 +83,23 @@ class Settings(BaseSettings):
     tenant_max_concurrent_requests: int = Field(32, ge=0)
     tenant_requests_per_minute: int = Field(600, ge=0)
     # Server folders a tenant admin may ingest by path over HTTP; empty = uploads only. The
-    # CLI (an operator on the machine) may ingest any path.
-    ingest_allowed_roots: list[Path] = Field(default_factory=list)
+    # CLI (an operator on the machine) may ingest any path. In the environment: folders
+    # separated by ':' as in PATH, or a JSON list.
+    ingest_allowed_roots: Annotated[list[Path], NoDecode] = Field(default_factory=list)
     # /metrics answers this bearer token, or any API key with the `audit` scope.
     metrics_token: str = ""
     # Serve /docs, /redoc and /openapi.json.
     api_docs: bool = True
+
+    @field_validator("ingest_allowed_roots", mode="before")
+    @classmethod
+    def _path_list(cls, value):
+        if isinstance(value, str):
+            value = value.strip()
+            if value.startswith("["):
+                return json.loads(value)
+            return [part for part in value.split(os.pathsep) if part]
+        return value
 
     @property
     def sqlalchemy_url(self) -> str:

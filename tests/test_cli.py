@@ -130,3 +130,33 @@ def test_serve_flags_become_settings_and_bootstrap_a_key(tmp_path, monkeypatch):
         assert bad.exit_code == 1 and "log_level" in bad.stderr
     finally:
         get_settings.cache_clear()
+
+
+def test_invalid_settings_and_an_unreachable_database_are_one_line_errors(tmp_path):
+    """What an operator mistypes in the environment, or a database that cannot be opened, is
+    named in one line with exit code 1: never a traceback."""
+    repo = Path(__file__).resolve().parents[1]
+    command = [sys.executable, "-c", "from gateway.cli import run; run()", "db", "current"]
+    base = {"PATH": "/usr/bin:/bin", "HOME": str(tmp_path), "PYTHONPATH": str(repo)}
+    cases = {
+        "max_json_body_bytes": {"INHERENT_MAX_JSON_BODY_BYTES": "lots"},
+        "ingest_allowed_roots": {"INHERENT_INGEST_ALLOWED_ROOTS": "[not json"},
+        "cannot use the database": {"INHERENT_DATABASE_URL": f"sqlite:///{tmp_path}/no/such/dir/x.db"},
+    }
+    for expected, env in cases.items():
+        result = subprocess.run(command, cwd=tmp_path, env={**base, **env}, capture_output=True,
+                                text=True, timeout=120)
+        assert result.returncode == 1, (env, result.stdout, result.stderr)
+        assert expected in result.stderr and "error:" in result.stderr, result.stderr
+        assert "Traceback" not in result.stderr + result.stdout, result.stderr
+
+
+def test_allowed_roots_read_like_path_or_as_json(monkeypatch):
+    from provenance.settings import Settings
+
+    monkeypatch.setenv("INHERENT_INGEST_ALLOWED_ROOTS", "/srv/docs:/srv/wiki")
+    assert Settings().ingest_allowed_roots == [Path("/srv/docs"), Path("/srv/wiki")]
+    monkeypatch.setenv("INHERENT_INGEST_ALLOWED_ROOTS", '["/srv/docs"]')
+    assert Settings().ingest_allowed_roots == [Path("/srv/docs")]
+    monkeypatch.setenv("INHERENT_INGEST_ALLOWED_ROOTS", "")
+    assert Settings().ingest_allowed_roots == []
