@@ -39,6 +39,23 @@ class ServerSettings(Settings):
     # KV cache size in tokens (all layers); 32768 tokens of SmolLM2-135M in float32 = 1.5 GB.
     kv_cache_tokens: int = Field(32768, gt=0)
 
+    def __init__(self, **values: Any) -> None:
+        # Flat engine names given as keywords (the CLI's flags) go into ``engine``, over what
+        # it holds; keywords take precedence over the environment, as for every setting.
+        flat = {name: values.pop(name) for name in list(values) if name in ENGINE_NAMES}
+        if flat:
+            engine = values.get("engine") or {}
+            if isinstance(engine, EngineConfig):
+                engine = dataclasses.asdict(engine)
+            engine = dict(engine)
+            for flat_name, value in flat.items():
+                if unset(flat_name, value):
+                    engine.pop(ENGINE_NAMES[flat_name], None)
+                else:
+                    engine[ENGINE_NAMES[flat_name]] = value
+            values["engine"] = engine
+        super().__init__(**values)
+
     @classmethod
     def settings_customise_sources(
         cls, settings_cls, init_settings, env_settings, dotenv_settings, file_secret_settings
@@ -46,36 +63,18 @@ class ServerSettings(Settings):
         prefix = settings_cls.model_config["env_prefix"].lower()
 
         def engine_variables() -> dict[str, Any]:
-            """The engine's fields from flat variables: the environment over ``.env``."""
-            return {
-                flat_name: value
+            """The engine's fields from their flat variables (the environment over ``.env``),
+            nested, so that an ``engine`` given as a keyword takes precedence over them."""
+            fields = {
+                field_name: value
                 for source in (dotenv_settings, env_settings)
-                for flat_name in ENGINE_NAMES
+                for flat_name, field_name in ENGINE_NAMES.items()
                 if (value := source.env_vars.get(prefix + flat_name)) is not None
+                and not unset(flat_name, value)
             }
+            return {"engine": fields} if fields else {}
 
         return init_settings, engine_variables, env_settings, dotenv_settings, file_secret_settings
-
-    @model_validator(mode="before")
-    @classmethod
-    def _nest_engine_fields(cls, data: Any) -> Any:
-        """Flat engine names (keywords or variables) go into ``engine``, over what it holds."""
-        if not isinstance(data, dict):
-            return data
-        data = dict(data)
-        engine = data.get("engine") or {}
-        if isinstance(engine, EngineConfig):
-            engine = dataclasses.asdict(engine)
-        engine = dict(engine)
-        for flat_name, field_name in ENGINE_NAMES.items():
-            if flat_name in data:
-                value = data.pop(flat_name)
-                if unset(flat_name, value):
-                    engine.pop(field_name, None)
-                else:
-                    engine[field_name] = value
-        data["engine"] = engine
-        return data
 
     @model_validator(mode="after")
     def _size_kv_cache(self) -> "ServerSettings":
