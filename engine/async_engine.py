@@ -1,5 +1,5 @@
-"""The asyncio front: a background thread drives `LLMEngine.step()`; each request streams its
-outputs through an asyncio.Queue on the loop that asked for it.
+"""The asyncio front: a background thread drives the engine's `step()` (either mode); each
+request streams its outputs through an asyncio.Queue on the loop that asked for it.
 
 A consumer that goes away (generator closed, task cancelled) aborts its request; the engine
 frees the request's blocks at its next step.
@@ -14,14 +14,16 @@ from collections.abc import AsyncIterator
 from prometheus_client import CollectorRegistry
 
 from engine.config import EngineConfig
-from engine.llm_engine import LLMEngine, RequestOutput
+from engine.engine_protocol import Engine
+from engine.factory import create_engine
+from engine.request_output import RequestOutput
 from engine.sampling import InvalidRequest, SamplingParams
 
 log = logging.getLogger(__name__)
 
 
 class AsyncEngine:
-    def __init__(self, engine: LLMEngine):
+    def __init__(self, engine: Engine):
         self.engine = engine
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self._wake = threading.Event()
@@ -33,7 +35,7 @@ class AsyncEngine:
     def from_config(cls, config: EngineConfig, registry: CollectorRegistry | None = None
                     ) -> "AsyncEngine":
         """Load the configured model and start the engine thread."""
-        return cls(LLMEngine.from_config(config, registry))
+        return cls(create_engine(config, registry))
 
     @property
     def tokenizer(self):
@@ -73,17 +75,9 @@ class AsyncEngine:
                 self.engine.abort_request(request_id)
                 self._wake.set()
 
-    async def generate_chat(self, messages: list[dict], params: SamplingParams | None = None,
-                            request_id: str | None = None) -> AsyncIterator[RequestOutput]:
-        """`generate` on the chat template of `messages` (with the assistant turn opened)."""
-        prompt = self.engine.tokenizer.encode_chat(messages)
-        async for out in self.generate(prompt, params, request_id):
-            yield out
-
     def is_healthy(self) -> bool:
         """The step thread runs and the engine behind it (workers, in disaggregated mode) is up."""
-        check = getattr(self.engine, "is_healthy", None)
-        return self._thread.is_alive() and not self._stopping and (check is None or check())
+        return self._thread.is_alive() and not self._stopping and self.engine.is_healthy()
 
     def shutdown(self) -> None:
         self._stopping = True

@@ -120,14 +120,18 @@ class BlockManager:
         running requests keep theirs. Returns how many blocks were forgotten."""
         forgotten = 0
         for block_id in self.free:
-            block = self.blocks[block_id]
-            if block.hash is not None:
-                if self.cached.get(block.hash) == block_id:
-                    del self.cached[block.hash]
-                block.hash = None
-                block.token_ids = ()
-                forgotten += 1
+            forgotten += self._evict(self.blocks[block_id])
         return forgotten
+
+    def _evict(self, block: Block) -> bool:
+        """Forget a free block's cached content; whether it had any."""
+        if block.hash is None:
+            return False
+        if self.cached.get(block.hash) == block.block_id:
+            del self.cached[block.hash]
+        block.hash = None
+        block.token_ids = ()
+        return True
 
     # -- allocation -------------------------------------------------------------------------
 
@@ -162,11 +166,7 @@ class BlockManager:
         for _ in range(self.blocks_needed(seq, num_new_tokens)):
             block_id, _ = self.free.popitem(last=False)
             block = blocks[block_id]
-            if block.hash is not None:  # evict its cached content
-                if self.cached.get(block.hash) == block_id:
-                    del self.cached[block.hash]
-                block.hash = None
-                block.token_ids = ()
+            self._evict(block)
             block.ref_count = 1
             seq.block_table.append(block_id)
 

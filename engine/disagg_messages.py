@@ -35,14 +35,6 @@ class Release:
 
 
 @dataclass(frozen=True, slots=True)
-class Send:
-    """Prefill worker: ship a held request's KV to the decode worker, under `tag`."""
-
-    request_id: str
-    tag: int
-
-
-@dataclass(frozen=True, slots=True)
 class Offer:
     """Decode worker: a prefilled request whose KV waits in the prefill worker."""
 
@@ -122,7 +114,8 @@ class StepReport:
 
 @dataclass(frozen=True, slots=True)
 class Pull:
-    """The decode worker admitted an offer and waits for its KV under `tag`."""
+    """From the decode worker: it admitted an offer and waits for its KV under `tag`. The
+    front forwards it to the prefill worker, which sends the KV (and then frees the blocks)."""
 
     request_id: str
     tag: int
@@ -130,7 +123,7 @@ class Pull:
 
 @dataclass(frozen=True, slots=True)
 class Transferred:
-    """The decode worker has the request's KV in its blocks."""
+    """The decode worker has the request's KV in its blocks (pulled at `start`)."""
 
     request_id: str
     start: float
@@ -157,5 +150,5 @@ class Fatal:
     traceback: str
 
 
-ToWorker = Add | Abort | Release | Send | Offer | Inspect | Stop
+ToWorker = Add | Abort | Release | Pull | Offer | Inspect | Stop
 ToFront = Hello | StepReport | Pull | Release | Transferred | Inspection | Fatal

@@ -1,22 +1,22 @@
 """The two worker processes of disaggregated mode.
 
-Each runs a plain LLMEngine (scheduler, block manager, model runner) on its own cores or GPU and
-speaks with the front (engine/disaggregated.py) over a pipe:
+Each runs a colocated LLMEngine (scheduler, block manager, model runner) on its own cores or GPU
+and speaks with the front (engine/disaggregated.py) over a pipe:
 
 * The prefill worker runs requests until their first token, then takes them out of its
-  scheduler with their blocks still held (`detach`). It reports the token and keeps the KV until
-  the decode worker takes it (a "send" from the front: its sender thread ships the blocks and
-  they are freed) or the front lets it go ("release"). Held blocks are not free: when hand-offs
-  fill the cache, new prompts wait in its queue.
+  engine with their blocks still held (`LLMEngine.detach`). It reports the token and keeps the
+  KV until the decode worker takes it (its Pull, forwarded by the front: the sender thread ships
+  the blocks and they are freed) or the front lets it go (Release). Held blocks are not free:
+  when hand-offs fill the cache, new prompts wait in its queue.
 * The decode worker queues the front's offers and admits one only when its whole lifetime fits:
   the blocks of its prompt now plus those its remaining tokens may need, counting what the
   requests already running may still take (so it never preempts). It allocates the prompt's
-  blocks, asks for the KV ("pull"), receives it on its receiver thread, scatters it into those
-  blocks and puts the request into its running batch (`adopt`), where it continues from the
-  first token.
+  blocks, asks for the KV (Pull), receives it on its receiver thread, scatters it into those
+  blocks and puts the request into its running batch (`LLMEngine.adopt`), where it continues
+  from the first token.
 
 Workers deal in token ids only, and stop on what token ids decide (EOS, stop ids, max_tokens,
-context length) exactly as the front does with the same LLMEngine code; text, stop strings and
+context length) exactly as the front does with the same output processor; text, stop strings and
 the request's timeline are the front's. A worker reports each token with the time its step
 ended, on CLOCK_MONOTONIC, which every process of one host shares.
 
@@ -26,8 +26,9 @@ stamps it at every turn (every `tick` seconds while idle) and at every decoder l
 a transfer started. A frozen process or a forward or transfer that never returns stops the
 stamps, whatever its other threads still do.
 
-The messages are the dataclasses of engine/disagg_messages.py; the worker's own threads (the
-listener, the KV sender and receiver) post theirs, below, to the same inbox as the front's.
+The messages are the dataclasses of engine/disagg_messages.py. The worker's own threads post to
+the same inbox as the front's: the KV sender a Release once the KV is sent, the receiver a
+Transferred once it is in place, either a TransferFailed.
 """
 
 import contextlib
@@ -54,7 +55,6 @@ from engine.disagg_messages import (
     PrefillFacts,
     Pull,
     Release,
-    Send,
     StepReport,
     Stop,
     TokenReport,
@@ -69,29 +69,16 @@ from engine.kv_transfer import (
     KVSender,
     join_transfer_group,
 )
-from engine.llm_engine import LLMEngine, RequestOutput
-from engine.sequence import Sequence, SequenceStatus
+from engine.llm_engine import LLMEngine
+from engine.request_output import RequestOutput
+from engine.sequence import Sequence
 from engine.timeline import now
 
 
 @dataclass(frozen=True, slots=True)
-class Sent:
-    """The sender thread shipped a held request's KV: its blocks may go."""
-
-    request_id: str
-
-
-@dataclass(frozen=True, slots=True)
-class Received:
-    """The receiver thread wrote a request's KV into its blocks."""
-
-    request_id: str
-    end: float
-    num_bytes: int
-
-
-@dataclass(frozen=True, slots=True)
 class TransferFailed:
+    """From a transfer thread: the process group is broken, the worker must stop."""
+
     request_id: str
     error: str
 
@@ -153,21 +140,6 @@ class TokenIds:
 
     def detokenizer(self, prompt_ids=()):
         return None
-
-
-def detach(engine: LLMEngine, request_id: str) -> Sequence:
-    """Take a running request out of the engine with its blocks still allocated."""
-    seq = engine.requests.pop(request_id)
-    engine.scheduler.running.remove(seq)
-    return seq
-
-
-def adopt(engine: LLMEngine, seq: Sequence) -> None:
-    """Put a request whose KV is in its blocks into the running batch."""
-    seq.status = SequenceStatus.RUNNING
-    seq.prefill_steps_seen = getattr(engine, "_num_prefill_steps", 0)
-    engine.requests[seq.request_id] = seq
-    engine.scheduler.running.append(seq)
 
 
 def blocks_for(num_tokens: int, block_size: int) -> int:
@@ -245,7 +217,7 @@ class Worker:
             except (EOFError, OSError):  # the front is gone
                 msg = Stop()
             match msg:
-                case Send(request_id, tag):
+                case Pull(request_id, tag):  # the decode worker's: send it the KV
                     seq = self.held.get(request_id)
                     if seq is None:
                         self.inbox.put(TransferFailed(request_id, "no such hand-off"))
@@ -258,15 +230,16 @@ class Worker:
                     self.inbox.put(msg)
 
     def _sent(self, request_id: str) -> None:
-        self.inbox.put(Sent(request_id))
+        self.inbox.put(Release(request_id))  # the KV is gone: the blocks may go too
 
     def _received(self, request_id: str, end: float, num_bytes: int) -> None:
-        self.inbox.put(Received(request_id, end, num_bytes))
+        _, start = self.receiving[request_id]  # set before the receive was submitted
+        self.inbox.put(Transferred(request_id, start, end, num_bytes))
 
     def _transfer_failed(self, request_id: str, error) -> None:
         self.inbox.put(TransferFailed(request_id, repr(error)))
 
-    def _handle(self, msg: ToWorker | Sent | Received | TransferFailed) -> None:
+    def _handle(self, msg: ToWorker | Transferred | TransferFailed) -> None:
         engine = self.engine
         match msg:
             case Add(request_id, token_ids, params, arrival):
@@ -275,21 +248,21 @@ class Worker:
             case Abort(request_id):
                 if request_id in engine.requests:
                     engine.abort_request(request_id)
-                elif request_id in self.offers:  # decode: never pulled, the prefill side may free it
+                elif request_id in self.offers:  # decode: never pulled, the prefill side frees it
                     del self.offers[request_id]
                     self.conn.send(Release(request_id))
                 elif request_id in self.receiving:
                     self.cancelled.add(request_id)
                 elif request_id in self.held:  # prefill: never offered (the front had no report)
                     engine.block_manager.free_seq(self.held.pop(request_id))
-            case Release(request_id) | Sent(request_id):
+            case Release(request_id):
                 seq = self.held.pop(request_id, None)
                 if seq is not None:
                     engine.block_manager.free_seq(seq)
             case Offer(request_id):
                 self.offers[request_id] = msg
-            case Received(request_id, end, num_bytes):
-                self._adopt(request_id, end, num_bytes)
+            case Transferred():
+                self._adopt(msg)
             case Inspect():
                 bm = engine.block_manager
                 self.conn.send(Inspection(
@@ -312,7 +285,7 @@ class Worker:
         bm = engine.block_manager
         while self.offers:
             offer = next(iter(self.offers.values()))
-            if len(engine.scheduler.running) + len(self.receiving) >= engine.config.max_num_seqs:
+            if engine.scheduler.num_running + len(self.receiving) >= engine.config.max_num_seqs:
                 return
             in_flight = [*engine.requests.values(), *(s for s, _ in self.receiving.values())]
             promised = sum(self._lifetime_blocks(s.num_prompt_tokens, s.params)
@@ -332,17 +305,18 @@ class Worker:
             self.receiver.submit(request_id, list(seq.block_table), tag)
             self.conn.send(Pull(request_id, tag))
 
-    def _adopt(self, request_id: str, end: float, num_bytes: int) -> None:
-        """Its KV is in its blocks: it decodes from the next step on."""
-        seq, start = self.receiving.pop(request_id)
+    def _adopt(self, transferred: Transferred) -> None:
+        """Its KV is in its blocks: it decodes from the next step on (the front hears so)."""
+        request_id = transferred.request_id
+        seq, _ = self.receiving.pop(request_id)
         if request_id in self.cancelled:
             self.cancelled.discard(request_id)
             self.engine.block_manager.free_seq(seq)
             return
         seq.num_computed_tokens = seq.num_prompt_tokens
-        adopt(self.engine, seq)
+        self.engine.adopt(seq)
         self.seqs[request_id] = seq
-        self.conn.send(Transferred(request_id, start, end, num_bytes))
+        self.conn.send(transferred)
 
     # -- the loop -------------------------------------------------------------------------------
 
@@ -361,16 +335,16 @@ class Worker:
                 continue  # a heartbeat tick: still nothing to do
             if self.stopping or not engine.has_unfinished_requests():
                 continue
-            steps, prefill_steps = engine.num_steps, getattr(engine, "_num_prefill_steps", 0)
+            steps, prefill_steps = engine.num_steps, engine.num_prefill_steps
             start = now()
             outputs = engine.step()
             stalled = engine.num_steps == steps and not outputs
             if stalled:
                 continue  # wait for a message: a release or a finished send frees blocks
-            clean = getattr(engine, "_num_prefill_steps", 0) == prefill_steps
+            clean = engine.num_prefill_steps == prefill_steps
             self._report(outputs, now() - start if clean else None)
 
-    def _messages(self, block: bool) -> list[ToWorker | Sent | Received | TransferFailed]:
+    def _messages(self, block: bool) -> list[ToWorker | Transferred | TransferFailed]:
         """What the inbox holds; with `block`, wait up to a heartbeat tick for a message."""
         messages = []
         try:
@@ -404,11 +378,11 @@ class Worker:
             if out.finished:
                 del self.seqs[request_id]
             elif self.role == "prefill":  # its first token: hold its KV for the decode worker
-                self.held[request_id] = detach(engine, request_id)
+                self.held[request_id] = engine.detach(request_id)
                 del self.seqs[request_id]
         bm = engine.block_manager
         stats = WorkerStats(
-            len(engine.scheduler.running), len(engine.scheduler.waiting), bm.usage,
+            engine.scheduler.num_running, engine.scheduler.num_waiting, bm.usage,
             engine.scheduler.num_preemptions, bm.prefix_cache_queries, bm.prefix_cache_hits,
             len(self.held), len(self.offers), clean_step)
         self.conn.send(StepReport(stats, reports))

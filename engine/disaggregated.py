@@ -1,16 +1,16 @@
-"""Disaggregated prefill and decode: two worker processes behind the LLMEngine interface.
+"""Disaggregated prefill and decode: two worker processes behind the engine interface.
 
-    engine = LLMEngine.from_config(EngineConfig(mode="disaggregated"))   # or
+    engine = create_engine(EngineConfig(mode="disaggregated"))   # engine/factory.py, or
     engine = DisaggregatedEngine.from_config(EngineConfig(...), registry)
 
-The front is an LLMEngine without a model: requests are validated, tokenized and queued by the
-inherited `add_request`, and text, stop strings, finish reasons, the per-request timeline and the
-Prometheus metrics come from the inherited output path (`_check_and_emit`, `_finish_output`). Its
-`step()` hands new requests to the prefill worker, forwards the control messages between the
-workers, and turns the token ids they report into RequestOutputs. AsyncEngine drives it as it
-drives a colocated engine. The workers (engine/disagg_worker.py) run the ordinary scheduler,
-block manager and model runner; their KV hand-off goes over torch.distributed
-(engine/kv_transfer.py).
+The front runs no model. Requests are validated, tokenized and queued by the same intake as the
+colocated engine's (engine/intake.py), and text, stop strings, finish reasons, the per-request
+timeline and the Prometheus metrics come from the same output processor
+(engine/output_processor.py); its scheduler only tracks which requests wait and which run. Its
+`step()` hands new requests to the prefill worker, forwards the messages between the workers
+(engine/disagg_messages.py), and turns the token ids they report into RequestOutputs.
+AsyncEngine drives it as it drives a colocated engine. The workers (engine/disagg_worker.py) each
+run a colocated engine; their KV hand-off goes over torch.distributed (engine/kv_transfer.py).
 
 One request: queued at the front -> prefilled (in chunks) by the prefill worker -> first token
 reported; its KV stays in the prefill worker's blocks -> offered to the decode worker -> admitted
@@ -51,33 +51,21 @@ import torch
 import torch.multiprocessing as mp
 from prometheus_client import CollectorRegistry, Gauge, Histogram
 
+from engine import disagg_messages as wire
+from engine import offline
+from engine.block_manager import BlockManager
 from engine.config import EngineConfig
-from engine.disagg_messages import (
-    Abort,
-    Add,
-    Fatal,
-    Hello,
-    Inspect,
-    Inspection,
-    Offer,
-    PrefillFacts,
-    Pull,
-    Release,
-    Send,
-    StepReport,
-    Stop,
-    ToFront,
-    TokenReport,
-    ToWorker,
-    Transferred,
-    WorkerStats,
-)
 from engine.disagg_worker import Heartbeat, WorkerSpec, worker_main
 from engine.finish_reason import FinishReason
+from engine.intake import RequestIntake
 from engine.kv_transfer import transfer_backend
-from engine.llm_engine import LLMEngine, RequestOutput
-from engine.metrics import PREFIX, REQUEST_BUCKETS
-from engine.sequence import Sequence, SequenceStatus
+from engine.metrics import PREFIX, REQUEST_BUCKETS, EngineMetrics
+from engine.model_runner import kv_cache_blocks
+from engine.output_processor import OutputProcessor
+from engine.request_output import RequestOutput
+from engine.sampling import SamplingParams
+from engine.scheduler import Scheduler
+from engine.sequence import Sequence
 from engine.timeline import now
 
 log = logging.getLogger(__name__)
@@ -92,18 +80,6 @@ class WorkerFailure(RuntimeError):
     """A worker process died or failed: the requests it had streamed end with this error."""
 
 
-class _RemoteCache:
-    """Stands in for the ModelRunner at the front: the size of the decode worker's cache and
-    the vocabulary, which request validation reads. The model runs in the workers."""
-
-    def __init__(self, num_kv_blocks: int, vocab_size: int):
-        self.num_kv_blocks = num_kv_blocks
-        self.vocab_size = vocab_size
-
-    def run(self, batch):
-        raise RuntimeError("the disaggregated front runs no model")
-
-
 class _Outbox:
     """Sends to one worker, in order, on a thread of its own: `conn.send` blocks once the
     worker stops reading (a frozen process) and its pipe fills, and the step loop must not."""
@@ -114,7 +90,7 @@ class _Outbox:
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
 
-    def put(self, msg: ToWorker) -> None:
+    def put(self, msg: wire.ToWorker) -> None:
         self._messages.put(msg)
 
     def close(self, timeout: float) -> None:
@@ -138,9 +114,9 @@ class _Worker:
     conn: connection.Connection
     outbox: _Outbox
     heartbeat: Heartbeat
-    hello: Hello | None = None
+    hello: wire.Hello | None = None
     fatal: str | None = None  # the traceback it sent before dying
-    totals: WorkerStats | None = None  # its last report's (running totals of its life)
+    totals: wire.WorkerStats | None = None  # its last report's (running totals of its life)
 
 
 def worker_specs(config: EngineConfig, model_path: str, num_blocks: int, port: int
@@ -185,7 +161,7 @@ def _stop(workers: list[_Worker], graceful: bool = True) -> None:
     """Ask, then kill (at once when not `graceful`: after a fault the survivor's half of the
     process group is dead and its state is of no use)."""
     for w in workers:
-        w.outbox.put(Stop())
+        w.outbox.put(wire.Stop())
     deadline = time.monotonic() + (STOP_GRACE_S if graceful else 0.0)
     for w in workers:
         w.process.join(max(0.0, deadline - time.monotonic()))
@@ -196,21 +172,25 @@ def _stop(workers: list[_Worker], graceful: bool = True) -> None:
         w.conn.close()
 
 
-class DisaggregatedEngine(LLMEngine):
+class DisaggregatedEngine:
     def __init__(self, config: EngineConfig, checkpoint, registry: CollectorRegistry | None = None):
         """`checkpoint`: the loaded model (engine.loader.Checkpoint); the front keeps its
         tokenizer and identity, the workers load the weights themselves."""
-        from engine.model import default_kv_cache_dtype, kv_cache_bytes_per_block
-
-        kv_dtype = default_kv_cache_dtype(config.kv_cache_dtype, getattr(torch, config.dtype),
-                                          config.device)
-        num_blocks = config.num_kv_blocks or config.kv_cache_bytes // kv_cache_bytes_per_block(
-            checkpoint.config, config.block_size, kv_dtype)
+        num_blocks = kv_cache_blocks(config, checkpoint.config)
         decode_blocks = config.disagg_decode_kv_blocks or num_blocks
         registry = registry if registry is not None else CollectorRegistry()
-        super().__init__(config, _RemoteCache(decode_blocks, checkpoint.config.vocab_size),
-                         checkpoint.tokenizer, registry, checkpoint.model_id,
-                         checkpoint.weights_hash)
+        self.config = config
+        self.tokenizer = checkpoint.tokenizer
+        self.model_id = checkpoint.model_id
+        self.weights_hash = checkpoint.weights_hash  # what receipts record
+        # Requests are bounded by the decode worker's cache, which holds them to the end.
+        self.intake = RequestIntake(config, self.tokenizer, checkpoint.config.vocab_size,
+                                    decode_blocks)
+        # Which requests wait and which run; the blocks are the workers'.
+        self.scheduler = Scheduler(config, BlockManager(0, config.block_size, False))
+        self.metrics = EngineMetrics(registry, self.model_id)
+        self.output = OutputProcessor(config, self.tokenizer, self.scheduler, self.metrics,
+                                      self.intake.requests)
         self.model_path = str(checkpoint.path)
         self._num_blocks = num_blocks
         self._location: dict[str, str] = {}  # request id -> the role that has it
@@ -224,8 +204,8 @@ class DisaggregatedEngine(LLMEngine):
         self._fault: tuple[list[str], WorkerFailure] | None = None
         self._dead: WorkerFailure | None = None
         self._totals = dict.fromkeys(TOTALS, 0)  # summed over the workers' lives
-        self.worker_stats: dict[str, WorkerStats] = {}  # each worker's last step report
-        self._inspections: dict[str, Inspection] = {}
+        self.worker_stats: dict[str, wire.WorkerStats] = {}  # each worker's last step report
+        self._inspections: dict[str, wire.Inspection] = {}
         self._wake_r, self._wake_w = os.pipe()
         os.set_blocking(self._wake_r, False)
         os.set_blocking(self._wake_w, False)
@@ -309,7 +289,7 @@ class DisaggregatedEngine(LLMEngine):
         return {role: w.process.pid for role, w in self._workers.items()}
 
     @property
-    def worker_info(self) -> dict[str, Hello | None]:
+    def worker_info(self) -> dict[str, wire.Hello | None]:
         """What each worker said when it started: pid, cores, threads, device, cache blocks."""
         return {role: w.hello for role, w in self._workers.items()}
 
@@ -324,15 +304,21 @@ class DisaggregatedEngine(LLMEngine):
 
     # -- requests in ----------------------------------------------------------------------------
 
-    def add_request(self, prompt, params=None, request_id=None, arrival=None) -> str:
+    @property
+    def num_waiting(self) -> int:
+        return self.scheduler.num_waiting + self.intake.num_queued
+
+    def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
+                    request_id: str | None = None, arrival: float | None = None) -> str:
         if self._dead is not None:
             raise WorkerFailure(f"the disaggregated engine is down: {self._dead}")
-        request_id = super().add_request(prompt, params, request_id, arrival)
+        request_id = self.intake.add(prompt, params, request_id, arrival,
+                                     self.scheduler.num_waiting)
         self._wake()
         return request_id
 
     def abort_request(self, request_id: str) -> None:
-        super().abort_request(request_id)
+        self.intake.abort(request_id)
         self._wake()
 
     def _wake(self) -> None:
@@ -342,7 +328,14 @@ class DisaggregatedEngine(LLMEngine):
     def has_unfinished_requests(self) -> bool:
         """Also while an aborted request's KV waits in the prefill worker for the decode
         worker to decline its offer (the front forwards that release)."""
-        return super().has_unfinished_requests() or bool(self._ready or self._orphans)
+        return self.intake.has_unfinished() or bool(self._ready or self._orphans)
+
+    def generate(self, prompts: list[str | list[int]],
+                 params: SamplingParams | list[SamplingParams] | None = None
+                 ) -> list[RequestOutput]:
+        """Run the prompts to completion; one output per prompt, in order, with the whole
+        text and all output token ids."""
+        return offline.generate(self, prompts, params)
 
     # -- the step -------------------------------------------------------------------------------
 
@@ -350,9 +343,9 @@ class DisaggregatedEngine(LLMEngine):
         if self._dead is not None:
             raise self._dead
         outputs, self._ready = self._ready, []
-        for out in self._drain_inboxes():  # aborted at the front: tell the worker that has it
-            self._drop(out.request_id)
-            outputs.append(out)
+        for seq in self.intake.drain(self.scheduler):  # tell the worker that has it
+            self._drop(seq.request_id)
+            outputs.append(self.output.finish(seq, FinishReason.ABORT))
         if self.ready:
             self._dispatch()
         outputs += self._receive(0.0 if outputs else WAIT_S)
@@ -366,29 +359,28 @@ class DisaggregatedEngine(LLMEngine):
 
     def fail_all(self) -> list[str]:
         """After `step()` raised: retire the requests the fault ended (all of them after an
-        unexpected error, when the workers are restarted to start clean); their ids."""
-        while self._inbox:
-            self.scheduler.add(self._inbox.popleft())
+        unexpected error, when the workers are restarted to start clean); their ids. Aborts
+        wait for the next step."""
+        self.intake.admit_new(self.scheduler)
         if self._fault is not None:
             failed, _ = self._fault
             self._fault = None
         else:
-            failed = list(self.requests)
+            failed = list(self.intake.requests)
             if self._dead is None:
                 self._restart()
         if self._dead is not None:  # nothing will serve the rest either
-            failed = list(dict.fromkeys([*failed, *self.requests]))
+            failed = list(dict.fromkeys([*failed, *self.intake.requests]))
         self._fail(failed)
         return failed
 
     def _fail(self, request_ids: list[str]) -> list[RequestOutput]:
         outputs = []
         for request_id in request_ids:
-            seq = self.requests.get(request_id)
+            seq = self.intake.requests.get(request_id)
             if seq is not None and not seq.is_finished:
                 self._drop(request_id)
-                self.scheduler.finish(seq, FinishReason.ABORT)
-                outputs.append(self._finish_output(seq))
+                outputs.append(self.output.finish(seq, FinishReason.ABORT))
         return outputs
 
     def _dispatch(self) -> None:
@@ -396,18 +388,19 @@ class DisaggregatedEngine(LLMEngine):
         for seq in self.scheduler.waiting:
             if seq.request_id not in self._location:
                 self._location[seq.request_id] = "prefill"
-                self._send(prefill, Add(seq.request_id, seq.token_ids[: seq.num_prompt_tokens],
-                                        _wire_params(seq), seq.timeline.arrival))
+                self._send(prefill, wire.Add(seq.request_id,
+                                             seq.token_ids[: seq.num_prompt_tokens],
+                                             _wire_params(seq), seq.timeline.arrival))
 
     def _drop(self, request_id: str) -> None:
         """The front is done with a request the worker may still run: let it go."""
         role = self._location.pop(request_id, None)
         if role is not None and role in self._workers:
-            self._send(self._workers[role], Abort(request_id))
+            self._send(self._workers[role], wire.Abort(request_id))
         if request_id in self._offers:
             self._orphans.add(request_id)
 
-    def _send(self, worker: _Worker, msg: ToWorker) -> None:
+    def _send(self, worker: _Worker, msg: wire.ToWorker) -> None:
         worker.outbox.put(msg)
 
     # -- worker messages ------------------------------------------------------------------------
@@ -431,66 +424,62 @@ class DisaggregatedEngine(LLMEngine):
                 pass  # it died: _supervise handles it
         return outputs
 
-    def _on_message(self, worker: _Worker, msg: ToFront, outputs: list[RequestOutput]) -> None:
+    def _on_message(self, worker: _Worker, msg: wire.ToFront, outputs: list[RequestOutput]) -> None:
         match msg:
-            case StepReport(stats, reports):
+            case wire.StepReport(stats, reports):
                 self._on_stats(worker, stats)
                 self._on_tokens(worker.role, reports, outputs)
-            case Pull(request_id, tag):  # the decode worker receives: the prefill worker sends
-                self._answered(request_id)
-                self._send(self._workers["prefill"], Send(request_id, tag))
-            case Release(request_id):  # an offer the decode worker dropped unpulled
+            case wire.Pull(request_id) | wire.Release(request_id):
+                # The prefill worker sends the KV, or frees it (Release: an offer the decode
+                # worker dropped unpulled).
                 self._answered(request_id)
                 self._send(self._workers["prefill"], msg)
-            case Transferred(request_id, start, end, num_bytes):
+            case wire.Transferred(request_id, start, end, num_bytes):
                 self._kv_transfer_time.observe(end - start)
-                seq = self.requests.get(request_id)
+                seq = self.intake.requests.get(request_id)
                 if seq is not None:
                     seq.timeline.record_kv_transfer(start, end, num_bytes)
-            case Hello():
+            case wire.Hello():
                 worker.hello = msg
                 if self.ready:
                     self._failed_starts = 0
                     log.info("disaggregated engine: workers ready %s", self.worker_info)
-            case Inspection():
+            case wire.Inspection():
                 self._inspections[worker.role] = msg
-            case Fatal(trace):
+            case wire.Fatal(trace):
                 worker.fatal = trace
                 log.error("disaggregated engine: the %s worker failed:\n%s", worker.role, trace)
 
-    def _on_tokens(self, role: str, reports: list[TokenReport],
+    def _on_tokens(self, role: str, reports: list[wire.TokenReport],
                    outputs: list[RequestOutput]) -> None:
         for report in reports:
             request_id, worker_reason = report.request_id, report.finish_reason
-            seq = self.requests.get(request_id)
+            seq = self.intake.requests.get(request_id)
             if seq is None:  # finished here already (aborted, or a stop string)
                 if report.prefill is not None and worker_reason is None:
-                    self._send(self._workers["prefill"], Release(request_id))
+                    self._send(self._workers["prefill"], wire.Release(request_id))
                 continue
             if report.prefill is not None:
                 self._start_decoding(seq, report.prefill)
-            seq.token_ids.append(report.token)
             if report.logprobs is not None:
                 seq.logprobs.append(report.logprobs)
-            seq.timeline.record_token(report.at, report.interfered)
-            out = self._check_and_emit(seq, report.token)
+            out = self.output.on_token(seq, report.token, report.at, report.interfered)
             outputs.append(out)
             if out.finished:
                 if worker_reason is None and role == "decode":  # a stop string: text is ours
                     self._drop(request_id)
                 elif worker_reason is None:  # ... on the first token: its KV is held
-                    self._send(self._workers["prefill"], Release(request_id))
+                    self._send(self._workers["prefill"], wire.Release(request_id))
                 self._location.pop(request_id, None)
             elif worker_reason is not None:  # the same checks ran on both sides; never hang
                 log.error("request %s: the %s worker finished it (%s), the front did not",
                           request_id, role, worker_reason)
                 self._location.pop(request_id, None)
-                self.scheduler.finish(seq, worker_reason)
-                outputs.append(self._finish_output(seq))
+                outputs.append(self.output.finish(seq, worker_reason))
             elif report.prefill is not None:  # its KV waits in the prefill worker: offer it
                 self._location[request_id] = "decode"
                 self._offers.add(request_id)
-                self._send(self._workers["decode"], Offer(
+                self._send(self._workers["decode"], wire.Offer(
                     request_id, list(seq.token_ids), seq.num_prompt_tokens, _wire_params(seq),
                     report.at))
 
@@ -498,25 +487,23 @@ class DisaggregatedEngine(LLMEngine):
         self._offers.discard(request_id)
         self._orphans.discard(request_id)
 
-    def _start_decoding(self, seq: Sequence, prefill: PrefillFacts) -> None:
+    def _start_decoding(self, seq: Sequence, prefill: wire.PrefillFacts) -> None:
         """Its first token came: the prefill facts join the front's timeline."""
         timeline = seq.timeline
         timeline.first_scheduled = prefill.first_scheduled
         timeline.prefill_chunks = list(prefill.chunks)
         timeline.num_cached_tokens = prefill.num_cached_tokens
         timeline.num_preemptions = prefill.num_preemptions
-        self.scheduler.waiting.remove(seq)
-        seq.status = SequenceStatus.RUNNING
-        self.scheduler.running.append(seq)
+        self.scheduler.start_decoding(seq)
 
-    def _on_stats(self, worker: _Worker, stats: WorkerStats) -> None:
+    def _on_stats(self, worker: _Worker, stats: wire.WorkerStats) -> None:
         for key in TOTALS:  # running totals per worker life, summed across restarts
             last = getattr(worker.totals, key) if worker.totals is not None else 0
             self._totals[key] += getattr(stats, key) - last
         worker.totals = stats
         self.worker_stats[worker.role] = stats
         if worker.role == "decode" and stats.clean_step is not None:
-            self._clean_decode_steps.append(stats.clean_step)
+            self.output.record_clean_decode_step(stats.clean_step)
 
     def _observe_step(self, outputs: list[RequestOutput]) -> None:
         def usage(role: str) -> float:
@@ -525,7 +512,7 @@ class DisaggregatedEngine(LLMEngine):
 
         self._prefill_kv_usage.set(usage("prefill"))
         self.metrics.observe_step(
-            len(self.scheduler.running), len(self.scheduler.waiting), usage("decode"),
+            self.scheduler.num_running, self.scheduler.num_waiting, usage("decode"),
             sum(len(o.token_ids) for o in outputs), self._totals["preemptions"],
             self._totals["prefix_queries"], self._totals["prefix_hits"],
         )
@@ -563,12 +550,12 @@ class DisaggregatedEngine(LLMEngine):
                 f"starts in a row")
             _stop(list(self._workers.values()), graceful=False)
             self._workers = {}
-            self._fault = (list(self.requests), self._dead)
+            self._fault = (list(self.intake.requests), self._dead)
             raise self._dead
         # Requests that streamed nothing re-run from the prompt on the new workers.
-        failed = [rid for rid, seq in self.requests.items() if seq.num_output_tokens]
+        failed = [rid for rid, seq in self.intake.requests.items() if seq.num_output_tokens]
         log.error("disaggregated engine: %s; %d requests failed, %d will re-run", what,
-                  len(failed), len(self.requests) - len(failed))
+                  len(failed), len(self.intake.requests) - len(failed))
         self._restart()
         if failed:
             error = WorkerFailure(f"disaggregated engine: {what}; the request was lost with "
@@ -601,13 +588,13 @@ class DisaggregatedEngine(LLMEngine):
 
     # -- inspection -----------------------------------------------------------------------------
 
-    def inspect(self, timeout: float = 10.0) -> dict[str, Inspection]:
+    def inspect(self, timeout: float = 10.0) -> dict[str, wire.Inspection]:
         """Each worker's block and request counts, asked now. Call from the thread that steps
         the engine (or while nothing steps it); outputs that arrive meanwhile are kept for the
         next step."""
         self._inspections = {}
         for w in self._workers.values():
-            self._send(w, Inspect())
+            self._send(w, wire.Inspect())
         deadline = now() + timeout
         while len(self._inspections) < len(self._workers):
             if now() > deadline:

@@ -28,7 +28,3 @@ class ForwardBatch:
     @property
     def num_seqs(self) -> int:
         return self.context_lens.shape[0]
-
-    @property
-    def is_pure_decode(self) -> bool:
-        return self.max_query_len == 1

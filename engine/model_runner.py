@@ -66,6 +66,22 @@ def pack(batch: ScheduledBatch, block_size: int) -> tuple[ForwardBatch, list[Seq
     return forward_batch, sampling
 
 
+def kv_cache_dtype(config: EngineConfig) -> torch.dtype:
+    from engine.model import default_kv_cache_dtype
+
+    return default_kv_cache_dtype(config.kv_cache_dtype, getattr(torch, config.dtype),
+                                  config.device)
+
+
+def kv_cache_blocks(config: EngineConfig, model_config) -> int:
+    """How many KV blocks the config gives a model: `num_kv_blocks`, or as many as
+    `kv_cache_bytes` holds."""
+    from engine.model import kv_cache_bytes_per_block
+
+    return config.num_kv_blocks or config.kv_cache_bytes // kv_cache_bytes_per_block(
+        model_config, config.block_size, kv_cache_dtype(config))
+
+
 class ModelRunner:
     """Holds the model and its KV cache. `model.forward(batch, kv_cache)` returns logits for
     the rows in `batch.logits_indices`."""
@@ -91,15 +107,9 @@ class ModelRunner:
     @classmethod
     def from_checkpoint(cls, checkpoint, config: EngineConfig) -> "ModelRunner":
         """The Llama model of a loaded checkpoint, with a KV cache sized by the config."""
-        from engine.model import (
-            LlamaModel,
-            default_kv_cache_dtype,
-            default_matmul_dtype,
-            kv_cache_bytes_per_block,
-        )
+        from engine.model import LlamaModel, default_matmul_dtype
 
         dtype = getattr(torch, config.dtype)
-        kv_dtype = default_kv_cache_dtype(config.kv_cache_dtype, dtype, config.device)
         limit = checkpoint.config.max_position_embeddings
         if config.max_model_len > limit:
             raise ValueError(f"max_model_len={config.max_model_len} exceeds the model's {limit}")
@@ -108,9 +118,8 @@ class ModelRunner:
                            matmul_dtype=default_matmul_dtype(dtype, config.device),
                            batch_invariant=config.batch_invariant,
                            quantized=checkpoint.quantized)
-        num_blocks = config.num_kv_blocks or config.kv_cache_bytes // kv_cache_bytes_per_block(
-            checkpoint.config, config.block_size, kv_dtype)
-        kv_cache = model.allocate_kv_cache(num_blocks, config.block_size, kv_dtype)
+        num_blocks = kv_cache_blocks(config, checkpoint.config)
+        kv_cache = model.allocate_kv_cache(num_blocks, config.block_size, kv_cache_dtype(config))
         return cls(model, kv_cache, config.block_size, num_blocks, config.device,
                    checkpoint.config.vocab_size,
                    getattr(checkpoint.tokenizer, "eos_token_ids", None) or ())

@@ -53,6 +53,32 @@ class Scheduler:
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    # -- hand-offs between processes (disaggregated mode) -----------------------------------
+
+    def detach(self, seq: Sequence) -> None:
+        """Take a running request out with its blocks still allocated: its KV moves on to
+        another process, and whoever holds it frees the blocks (BlockManager.free_seq)."""
+        self.running.remove(seq)
+
+    def adopt(self, seq: Sequence) -> None:
+        """A request whose KV is already in its blocks joins the running batch."""
+        seq.status = SequenceStatus.RUNNING
+        self.running.append(seq)
+
+    def start_decoding(self, seq: Sequence) -> None:
+        """A waiting request whose prefill ran elsewhere counts as running from now on (the
+        disaggregated front, which holds no blocks of its own)."""
+        self.waiting.remove(seq)
+        self.adopt(seq)
+
     def schedule(self) -> ScheduledBatch:
         batch = ScheduledBatch()
         chunked = self.config.enable_chunked_prefill

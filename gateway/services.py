@@ -178,9 +178,9 @@ class Services:
 
 def build_services(settings: ServerSettings, registry: CollectorRegistry) -> Services:
     """Load the model, the embedder and the vector index named by the settings."""
-    from engine import AsyncEngine, LLMEngine
+    from engine import AsyncEngine, create_engine
 
-    llm = LLMEngine.from_config(settings.engine, registry)
+    llm = create_engine(settings.engine, registry)
     runtime = Runtime(settings)
     index = runtime.index
     catch_up = None

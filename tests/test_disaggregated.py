@@ -20,6 +20,7 @@ from pydantic import ValidationError
 from engine.async_engine import AsyncEngine
 from engine.config import EngineConfig
 from engine.disaggregated import DisaggregatedEngine, WorkerFailure
+from engine.factory import create_engine
 from engine.llm_engine import LLMEngine
 from engine.model import default_kv_cache_dtype
 from engine.sampling import SamplingParams
@@ -54,7 +55,7 @@ def colocated(tiny_model) -> LLMEngine:
 
 @pytest.fixture(scope="module")
 def disagg(tiny_model):
-    engine = LLMEngine.from_config(EngineConfig(model=tiny_model, mode="disaggregated", **TINY))
+    engine = create_engine(EngineConfig(model=tiny_model, mode="disaggregated", **TINY))
     yield engine
     engine.close()
 
@@ -72,7 +73,7 @@ def assert_blocks_freed(engine: DisaggregatedEngine, timeout: float = 5.0) -> No
             break
         time.sleep(0.05)
     assert clean, state
-    assert not engine.requests and not engine.scheduler.has_work()
+    assert not engine.intake.requests and not engine.scheduler.has_work()
 
 
 def test_it_is_the_mode_the_config_names(disagg):
@@ -369,7 +370,7 @@ def test_greedy_output_equals_colocated_on_the_bundled_model():
         expected = colocated.generate(batch, params)
     finally:
         torch.set_num_threads(threads)
-    engine = LLMEngine.from_config(EngineConfig(mode="disaggregated", **settings))
+    engine = create_engine(EngineConfig(mode="disaggregated", **settings))
     try:
         got = engine.generate(batch, params)
         assert [o.token_ids for o in got] == [o.token_ids for o in expected]

@@ -15,7 +15,8 @@ from engine_toy import CharTokenizer, reference_greedy, toy_engine
 
 from engine.async_engine import AsyncEngine
 from engine.config import EngineConfig
-from engine.llm_engine import EngineOverloaded, LLMEngine
+from engine.intake import EngineOverloaded
+from engine.llm_engine import LLMEngine
 from engine.loader import load_checkpoint
 from engine.model_files import bundled_model_path
 from engine.model_runner import ModelRunner

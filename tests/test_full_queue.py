@@ -41,7 +41,7 @@ def test_a_full_queue_answers_429_with_retry_after(crowded):
     scheduler = engine.scheduler
 
     def waiting() -> int:
-        return len(scheduler.waiting) + len(engine._inbox)
+        return engine.num_waiting
 
     body = {"model": "inherent", "messages": [{"role": "user", "content": "c"}], "max_tokens": 4,
             "inherent": NO_RETRIEVAL}

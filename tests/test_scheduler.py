@@ -5,6 +5,7 @@ import pytest
 
 from engine.block_manager import BlockManager
 from engine.config import EngineConfig
+from engine.finish_reason import FinishReason
 from engine.sampling import SamplingParams
 from engine.scheduler import ScheduledBatch, Scheduler
 from engine.sequence import Sequence, SequenceStatus
@@ -34,7 +35,7 @@ def step(scheduler: Scheduler) -> ScheduledBatch:
         if s.num_computed_tokens == s.num_tokens:
             s.token_ids.append(7)
             if s.num_output_tokens >= s.params.max_tokens:
-                scheduler.finish(s, "length")
+                scheduler.finish(s, FinishReason.LENGTH)
     return batch
 
 
@@ -158,8 +159,8 @@ def test_finish_frees_blocks_of_waiting_and_running_requests():
     a = request(sched, "a", 20)
     step(sched)
     b = request(sched, "b", 20)
-    sched.finish(a, "abort")
-    sched.finish(b, "abort")
+    sched.finish(a, FinishReason.ABORT)
+    sched.finish(b, FinishReason.ABORT)
     assert not sched.has_work()
     assert sched.block_manager.num_free_blocks == sched.block_manager.num_blocks
     assert a.finish_reason == b.finish_reason == "abort"
@@ -178,3 +179,19 @@ def test_prefix_cache_hit_skips_computed_tokens():
 def test_budget_must_cover_the_seats():
     with pytest.raises(ValueError, match="max_num_batched_tokens"):
         EngineConfig(max_num_seqs=64, max_num_batched_tokens=32)
+
+
+def test_hand_offs_move_a_request_between_schedulers_with_its_blocks():
+    prefill, decode = make(), make()
+    s = request(prefill, "a", 10)
+    step(prefill)  # the whole prompt: its first token
+    blocks, free = list(s.block_table), prefill.block_manager.num_free_blocks
+    prefill.detach(s)
+    assert prefill.num_running == 0 and s.block_table == blocks
+    assert prefill.block_manager.num_free_blocks == free  # held until the KV is sent
+    decode.adopt(s)
+    assert decode.num_running == 1 and s.status is SequenceStatus.RUNNING
+    front = Scheduler(prefill.config, BlockManager(0, 4))  # the disaggregated front's
+    t = request(front, "b", 5)
+    front.start_decoding(t)  # prefilled elsewhere: running, without blocks here
+    assert (front.num_waiting, front.num_running) == (0, 1) and t.block_table == []
