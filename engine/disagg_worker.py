@@ -71,6 +71,7 @@ from engine.kv_transfer import (
 )
 from engine.llm_engine import LLMEngine
 from engine.request_output import RequestOutput
+from engine.sampler import SAMPLING_FAILED
 from engine.sequence import Sequence
 from engine.timeline import now
 
@@ -363,7 +364,12 @@ class Worker:
             seq = self.seqs.get(request_id)
             if seq is None:
                 continue
-            if out.token_ids:
+            # A row whose sampling failed ends with an error and no token: it is reported as
+            # SAMPLING_FAILED, which the front's output processor ends as the colocated one
+            # does (without a report the front would wait for that request forever).
+            failed = out.finished and out.error is not None and not out.token_ids
+            if out.token_ids or failed:
+                token = SAMPLING_FAILED if failed else out.token_ids[-1]
                 timeline = seq.timeline
                 prefill = None
                 if self.role == "prefill":
@@ -372,7 +378,7 @@ class Worker:
                                            timeline.num_cached_tokens, timeline.num_preemptions)
                 interfered = timeline.interfered[-1] if timeline.interfered else False
                 logprobs = seq.logprobs[-1] if seq.params.logprobs is not None else None
-                reports.append(TokenReport(request_id, out.token_ids[-1],
+                reports.append(TokenReport(request_id, token,
                                            timeline.token_times[-1], interfered,
                                            out.finish_reason, prefill, logprobs))
             if out.finished:

@@ -66,6 +66,8 @@ class RequestIntake:
             raise InvalidRequest(f"prompt token ids must be in [0, {vocab})")
         if vocab is not None and params.top_k > vocab:
             raise InvalidRequest(f"top_k must be at most the vocabulary size, {vocab}")
+        if vocab is not None and any(token >= vocab for token in params.logit_bias):
+            raise InvalidRequest(f"logit_bias token ids must be in [0, {vocab})")
         if len(token_ids) >= config.max_model_len:
             raise InvalidRequest(
                 f"the prompt has {len(token_ids)} tokens; the context window is "

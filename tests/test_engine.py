@@ -494,12 +494,18 @@ def test_one_requests_sampling_failure_ends_only_that_request():
     assert_no_leaks(engine)
 
 
-def test_top_k_beyond_the_vocabulary_is_refused_up_front(tmp_path):
+def test_top_k_and_logit_bias_beyond_the_vocabulary_are_refused_up_front(tmp_path):
+    """Refused before any work, in the intake both engine modes share: a logit_bias id past the
+    vocabulary used to fail the row's sampling (and hang the request in disaggregated mode)."""
     engine = LLMEngine.from_config(
         EngineConfig(model=str(write_tiny_llama(tmp_path / "m")), max_model_len=128)
     )
+    vocab = engine.model_runner.vocab_size
     with pytest.raises(InvalidRequest, match="top_k"):
         engine.add_request([1, 2, 3], SamplingParams(top_k=2**64))
+    with pytest.raises(InvalidRequest, match="logit_bias"):
+        engine.add_request([1, 2, 3], SamplingParams(logit_bias={vocab: 5.0}))
+    assert engine.add_request([1, 2, 3], SamplingParams(logit_bias={vocab - 1: 5.0}))
 
 
 def test_prefix_cache_is_shared_only_within_one_salt():
