@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import random
+import threading
 
 from celery import Celery
 from celery.signals import worker_init, worker_ready, worker_shutdown
@@ -30,6 +31,9 @@ from provenance.vector_index import close_vector_indexes
 MAX_RETRIES = 5
 BACKOFF_BASE_S = 5.0
 BACKOFF_MAX_S = 300.0
+# After the visibility timeout, the broker restores unacknowledged messages within a few
+# seconds (ingest/broker.py): the orphan sweep waits that long too.
+ORPHAN_SWEEP_MARGIN_S = 15.0
 # Failures worth another attempt: the database or the broker went away for a moment.
 TRANSIENT_ERRORS = (OperationalError, DBAPIError, ConnectionError, TimeoutError)
 
@@ -85,5 +89,12 @@ def _close_indexes(**_: object) -> None:
 
 @worker_ready.connect
 def _fail_orphaned_jobs(**_: object) -> None:
-    # Jobs a dead worker on this host held are marked failed; a redelivered one runs again.
-    jobs.fail_orphaned_jobs(get_settings())
+    # A job a dead worker held is still in the broker, unacknowledged: it is handed to a live
+    # worker once the visibility timeout passes, and that run records its own runner. Only a job
+    # still held by a dead runner after that (its message lost, e.g. with a Redis that keeps
+    # nothing) is marked failed; failing it at once would show "failed" before the retry runs.
+    settings = get_settings()
+    sweep = threading.Timer(settings.celery_visibility_timeout + ORPHAN_SWEEP_MARGIN_S,
+                            jobs.fail_orphaned_jobs, [settings])
+    sweep.daemon = True
+    sweep.start()

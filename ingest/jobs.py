@@ -435,11 +435,12 @@ def run_ingestion_job(runtime: Runtime, job_id: str) -> JobStatus:
         "epochs": result.epochs,
         "sweep": asdict(swept),
     }
-    status = _update_job(
-        settings, job_id, state=JobState.succeeded, errors=result.errors, summary=summary
-    )
-    if "uploads" in request:
-        with session_scope(_url(settings)) as session:
+    # Success and the release of the uploaded bytes commit together: a client that sees
+    # "succeeded" never finds the bytes still stored, and a crash before it keeps them for a retry.
+    with session_scope(_url(settings), write=True) as session:
+        status = _set_job(session, job_id, state=JobState.succeeded, errors=result.errors,
+                          summary=summary)
+        if "uploads" in request:
             uploads.release(
                 session, tenant_id, [u["blake3"] for u in request["uploads"]], job_id
             )
@@ -487,13 +488,17 @@ def _update_job(settings: Settings, job_id: str, **values: Any) -> JobStatus:
     # A write transaction from its BEGIN: on SQLite a read that upgrades to a write fails at
     # once (no busy wait) when another job committed meanwhile.
     with session_scope(_url(settings), write=True) as session:
-        row = session.get(IngestionJob, job_id)
-        if row is None:
-            raise JobNotFound(job_id)
-        for name, value in values.items():
-            setattr(row, name, value)
-        session.flush()
-        return JobStatus.of(row)
+        return _set_job(session, job_id, **values)
+
+
+def _set_job(session, job_id: str, **values: Any) -> JobStatus:
+    row = session.get(IngestionJob, job_id)
+    if row is None:
+        raise JobNotFound(job_id)
+    for name, value in values.items():
+        setattr(row, name, value)
+    session.flush()
+    return JobStatus.of(row)
 
 
 def _url(settings: Settings) -> str:

@@ -16,8 +16,11 @@ from provenance.migrate import ensure_schema
 
 
 class Api:
-    def __init__(self, client: TestClient, settings: ServerSettings, corpus: Path):
+    def __init__(self, client: TestClient, settings: ServerSettings, corpus: Path, app=None):
+        """``app``: the application behind ``client`` (a TestClient knows its own; a client of
+        a live server does not)."""
         self.client, self.settings, self.corpus = client, settings, corpus
+        self.app = app if app is not None else client.app
         self.keys: dict[tuple[str, tuple[str, ...]], str] = {}
 
     def key(self, tenant: str = "acme", *scopes: str) -> str:
@@ -31,7 +34,7 @@ class Api:
         return {"Authorization": f"Bearer {self.key(tenant, *scopes)}"}
 
     def ingest(self, tenant: str, *paths: Path) -> jobs.JobStatus:
-        runtime = self.client.app.state.services.runtime  # the API's own embedder and index
+        runtime = self.app.state.services.runtime  # the API's own embedder and index
         job_id = jobs.submit_ingestion(runtime, tenant, [str(p) for p in paths], wait=True)
         status = jobs.get_job(self.settings, job_id)
         assert status.state == "succeeded", status

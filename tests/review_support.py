@@ -61,10 +61,9 @@ def serve_live(tmp_path_factory):
     ensure_schema(settings.sqlalchemy_url)
     corpus = data_dir / "corpus"
     shutil.copytree(Path(str(resources.files("gateway") / "demo_corpus")), corpus)
-    with live_server(create_app(settings), free_port()) as url, httpx.Client(
-        base_url=url, timeout=300
-    ) as client:
-        api = Api(client, settings, corpus)
+    app = create_app(settings)
+    with live_server(app, free_port()) as url, httpx.Client(base_url=url, timeout=300) as client:
+        api = Api(client, settings, corpus, app)
         api.ingest("acme", corpus)
         yield api, url
     from provenance.vector_index import close_vector_indexes

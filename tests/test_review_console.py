@@ -215,7 +215,7 @@ def test_timeline_marks_the_kv_transfer_of_a_disaggregated_request(page, console
     for at, hit in [(0.16, True), (0.17, False), (0.19, True), (0.20, False)]:
         t.record_token(at, hit)
     t.finished = 0.2
-    summary = t.summary()
+    summary = t.summary().to_dict()  # the JSON a receipt stores
     page.goto(f"{url}/review/")
     kinds = page.evaluate(
         """async (summary) => {
