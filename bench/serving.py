@@ -147,7 +147,7 @@ async def client_loop(client, target: Target, prompts: list[str], offset: int, a
 
 def percentiles(values: list[float]) -> dict[str, float | None]:
     if len(values) < 2:
-        return {"p50": values[0] if values else None, "p95": None, "p99": None}
+        return {"p50": round(values[0], 1) if values else None, "p95": None, "p99": None}
     cuts = statistics.quantiles(values, n=100, method="inclusive")
     return {"p50": round(statistics.median(values), 1), "p95": round(cuts[94], 1),
             "p99": round(cuts[98], 1)}

@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from sqlalchemy import select
+from sqlalchemy.orm import Session
 
 from ingest.chunking import Chunker
 from ingest.embedding import Embedder, load_embedder
@@ -491,7 +492,7 @@ def _update_job(settings: Settings, job_id: str, **values: Any) -> JobStatus:
         return _set_job(session, job_id, **values)
 
 
-def _set_job(session, job_id: str, **values: Any) -> JobStatus:
+def _set_job(session: Session, job_id: str, **values: Any) -> JobStatus:
     row = session.get(IngestionJob, job_id)
     if row is None:
         raise JobNotFound(job_id)
