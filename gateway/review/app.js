@@ -9,6 +9,9 @@ import { checkInclusion } from "./verify.js";
 const $ = (id) => document.getElementById(id);
 let nextCursor = null;
 let lastQuery = null;
+// Each new search outdates the pages still in flight: a slow answer to an earlier query (the
+// unfiltered one the console runs on sign-in) must not land in a later query's results.
+let searchGeneration = 0;
 
 function notice(message) {
   const box = $("notice");
@@ -82,11 +85,13 @@ function queryFromForm() {
 
 async function search(more = false) {
   if (!more) { lastQuery = queryFromForm(); nextCursor = null; $("results").replaceChildren(); }
+  const generation = more ? searchGeneration : ++searchGeneration;
   const params = new URLSearchParams(lastQuery);
   if (more && nextCursor) params.set("cursor", nextCursor);
   $("results-summary").textContent = "Searching…";
   try {
     const page = await api.receipts(params);
+    if (generation !== searchGeneration) return;
     notice("");
     nextCursor = page.next_cursor;
     for (const r of page.data) $("results").append(resultItem(r));
@@ -96,6 +101,7 @@ async function search(more = false) {
       : "No answers match.";
     $("more").hidden = !nextCursor;
   } catch (error) {
+    if (generation !== searchGeneration) return;
     $("results-summary").textContent = "";
     failure(error);
   }
