@@ -89,10 +89,18 @@ class LeafEntry:
     payload: dict[str, Any]
 
 
-def append_version_event(session: Session, version: SourceVersion, kind: str) -> int:
-    """Log a version opened or closed; call it after the row holds its new epoch bounds."""
-    ref = f"{version.tenant_id}/{version.source_id}@{version.version}"
-    return append_leaf(session, kind, ref, version.tenant_id, version_event_payload(version, kind))
+def append_version_events(
+    session: Session, tenant_id: str, events: Sequence[tuple[SourceVersion, str]]
+) -> list[int]:
+    """Log versions opened or closed, ``(row, kind)`` in order, as one append (one head update
+    for the lot: an epoch of many sources holds the write lock no longer than it must); call it
+    after the rows hold their new epoch bounds."""
+    entries = [
+        LeafEntry(kind, f"{row.tenant_id}/{row.source_id}@{row.version}",
+                  version_event_payload(row, kind))
+        for row, kind in events
+    ]
+    return append_leaves(session, tenant_id, entries)
 
 
 def append_leaf(

@@ -8,7 +8,7 @@ import numpy as np
 from sqlalchemy import select, update
 from sqlalchemy.orm import Session
 
-from provenance.audit_log import append_version_event
+from provenance.audit_log import append_version_events
 from provenance.db import insert_missing
 from provenance.models import (
     OPEN_EPOCH,
@@ -203,10 +203,12 @@ def _write_rows(
     session.add_all(opened)
     session.flush()
     session.add_all(chunks)
-    for row, _ in plan.closing:
-        append_version_event(session, row, "version_closed")
-    for row in opened:
-        append_version_event(session, row, "version_opened")
+    append_version_events(
+        session,
+        tenant_id,
+        [(row, "version_closed") for row, _ in plan.closing]
+        + [(row, "version_opened") for row in opened],
+    )
 
 
 def _counter(session: Session, tenant_id: str) -> int:
