@@ -25,6 +25,7 @@ import time
 from importlib import resources
 from pathlib import Path
 
+from bench.servers import cpu
 from engine import SamplingParams
 from gateway.app import create_app
 from gateway.auth import create_key
@@ -202,6 +203,7 @@ def main() -> None:
     result = asyncio.run(run(args))
     if args.ingest_docs:
         result.update(receipts_under_ingestion(args.ingest_docs))
+    result["cpu"] = cpu()
     print(
         f"API p50 {result['api_ms_p50']:.1f} ms vs engine direct p50 {result['engine_direct_ms_p50']:.1f} ms "
         f"(ratio {result['api_ms_p50'] / result['engine_direct_ms_p50']:.3f}); query embedding p50 {result['query_embed_ms_p50']:.1f} ms"

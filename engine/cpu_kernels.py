@@ -17,7 +17,7 @@ under ``TORCH_EXTENSIONS_DIR`` (default ``~/.cache/torch_extensions``): about a 
 machine and source version, a fraction of a second after. It is built for the CPU it runs on
 (``-march=native``), so the build's name carries a digest of the CPU's flags (a home directory
 shared by different machines never loads a build with instructions its CPU lacks) and of the
-sources (checkouts of different versions never rebuild over each other).
+sources and their folder (two checkouts never rebuild over each other).
 """
 
 from __future__ import annotations
@@ -40,14 +40,17 @@ class KernelUnavailable(RuntimeError):
 
 
 def _build_digest() -> str:
-    """The CPU's flags and the sources' bytes: two checkouts of different sources on one
-    machine build side by side instead of over each other, and never load each other's build."""
+    """The CPU's flags, the sources' folder and their bytes: two checkouts on one machine build
+    side by side instead of over each other (torch's build files name the sources by path, so
+    two checkouts of the same sources rebuilt each other's build on every first use), and never
+    load each other's build."""
     try:
         with open("/proc/cpuinfo") as f:
             flags = next((line for line in f if line.startswith("flags")), "")
     except OSError:
         flags = ""
     digest = hashlib.blake2b(flags.encode(), digest_size=6)
+    digest.update(str(Path(__file__).resolve().parent).encode())
     for source in sorted((Path(__file__).parent / "csrc").iterdir()):
         digest.update(source.name.encode() + source.read_bytes())
     return digest.hexdigest()
