@@ -1,11 +1,12 @@
 """What provenance costs a request: end-to-end latency through the API (retrieval, prompt
 template, receipt with its audit leaf) against the same prompts sent to the engine directly.
 
-Each prompt runs both ways, alternating, on the embedded default with the bundled model. The
-overhead of a request is its API latency minus its own engine time and its query embedding
-time, both from the response's Server-Timing header (the embedding is model work, reported on
-its own); the same prompt run straight into the engine gives the baseline ratio. Last line:
-one JSON object.
+Each prompt runs both ways, alternating, on the embedded default with the bundled model. From the
+response's Server-Timing header: the provenance overhead is the retrieval without the query
+embedding (vector search, visibility check, fitting the context budget) plus the receipt write;
+everything the API adds is its latency minus its own engine time and query embedding (the
+embedding is model work, reported on its own). The same prompt run straight into the engine
+gives the baseline ratio. Last line: one JSON object.
 
 Then, on a fresh embedded store, receipts are committed every 20 ms (through the API's
 receipt writer) while an in-process ingestion of ``--ingest-docs`` (2,000) articles runs: their
@@ -82,7 +83,8 @@ async def run(args) -> dict:
         f"How do I change the {TOPICS[i % len(TOPICS)]} settings? ({i})"
         for i in range(args.requests)
     ]
-    api_ms, direct_ms, embed_ms, receipt_ms, overhead_ms = [], [], [], [], []
+    api_ms, direct_ms, overhead_ms, api_overhead_ms = [], [], [], []
+    phase_ms: dict[str, list[float]] = {"embed": [], "retrieve": [], "prompt": [], "receipt": []}
     async with app.router.lifespan_context(app):
         services = app.state.services
         async with in_process(app, key) as client:
@@ -108,20 +110,25 @@ async def run(args) -> dict:
                     continue
                 api_ms.append(api * 1000)
                 direct_ms.append(direct * 1000)
-                embed_ms.append(timing["embed"])
-                receipt_ms.append(timing["receipt"])
-                overhead_ms.append(api * 1000 - timing["engine"] - timing["embed"])
+                for phase, values in phase_ms.items():
+                    values.append(timing[phase])
+                overhead_ms.append(timing["retrieve"] + timing["receipt"])
+                api_overhead_ms.append(api * 1000 - timing["engine"] - timing["embed"])
                 assert len(chunks) > 0
     shutil.rmtree(data_dir, ignore_errors=True)
     return {
         "requests": len(api_ms),
         "api_ms_p50": statistics.median(api_ms),
         "engine_direct_ms_p50": statistics.median(direct_ms),
-        "query_embed_ms_p50": statistics.median(embed_ms),
+        "query_embed_ms_p50": statistics.median(phase_ms["embed"]),
         "provenance_overhead_ms_p50": statistics.median(overhead_ms),
         "provenance_overhead_ms_p99": percentile(overhead_ms, 99),
-        "receipt_write_ms_p50": statistics.median(receipt_ms),
-        "receipt_write_ms_p99": percentile(receipt_ms, 99),
+        "retrieve_ms_p50": statistics.median(phase_ms["retrieve"]),
+        "prompt_ms_p50": statistics.median(phase_ms["prompt"]),
+        "receipt_write_ms_p50": statistics.median(phase_ms["receipt"]),
+        "receipt_write_ms_p99": percentile(phase_ms["receipt"], 99),
+        "api_overhead_ms_p50": statistics.median(api_overhead_ms),
+        "api_overhead_ms_p99": percentile(api_overhead_ms, 99),
     }
 
 
@@ -209,8 +216,14 @@ def main() -> None:
         f"(ratio {result['api_ms_p50'] / result['engine_direct_ms_p50']:.3f}); query embedding p50 {result['query_embed_ms_p50']:.1f} ms"
     )
     print(
-        f"provenance overhead beyond the embedding: p50 {result['provenance_overhead_ms_p50']:.2f} ms, "
-        f"p99 {result['provenance_overhead_ms_p99']:.2f} ms (target p50 <= 5 ms); receipt write p50 {result['receipt_write_ms_p50']:.2f} ms"
+        f"provenance overhead (retrieval without the query embedding, plus the receipt write): "
+        f"p50 {result['provenance_overhead_ms_p50']:.2f} ms, p99 {result['provenance_overhead_ms_p99']:.2f} ms "
+        f"(target p50 <= 2 ms): retrieval p50 {result['retrieve_ms_p50']:.2f} ms, receipt write p50 "
+        f"{result['receipt_write_ms_p50']:.2f} ms; prompt template and tokenization p50 {result['prompt_ms_p50']:.2f} ms"
+    )
+    print(
+        f"everything the API adds beyond the engine and the query embedding: p50 "
+        f"{result['api_overhead_ms_p50']:.2f} ms, p99 {result['api_overhead_ms_p99']:.2f} ms"
     )
     if args.ingest_docs:
         print(

@@ -116,6 +116,21 @@ def append_receipt(session: Session, receipt: Receipt) -> int:
     )
 
 
+# Statements built once (every answer appends a leaf): building them cost more than running them.
+_ADVANCE_HEAD = (
+    update(AuditHead.__table__)
+    .where(AuditHead.__table__.c.tenant_id == bindparam("tenant"))
+    .values(size=AuditHead.__table__.c.size + bindparam("advance"))
+    .returning(AuditHead.__table__.c.size, AuditHead.__table__.c.frontier)
+)
+_SET_FRONTIER = (
+    update(AuditHead.__table__)
+    .where(AuditHead.__table__.c.tenant_id == bindparam("tenant"))
+    .values(frontier=bindparam("frontier"))
+)
+_INSERT_LEAVES, _INSERT_NODES = insert(AuditLeaf.__table__), insert(AuditNode.__table__)
+
+
 def _lock_head(session: Session, tenant_id: str, advance: int) -> tuple[int, list[str]]:
     """Take the tenant's head row lock until the transaction ends, reserve ``advance`` leaf
     indexes, and return the size before them and the frontier at that size.
@@ -124,17 +139,11 @@ def _lock_head(session: Session, tenant_id: str, advance: int) -> tuple[int, lis
     write lock does); under READ COMMITTED, which the engine pins, a waiter re-reads the row the
     holder committed, so no two appenders ever take the same index.
     """
-    lock = (
-        update(AuditHead)
-        .where(AuditHead.tenant_id == tenant_id)
-        .values(size=AuditHead.size + advance)
-        .returning(AuditHead.size, AuditHead.frontier)
-        .execution_options(synchronize_session=False)
-    )
-    row = session.execute(lock).one_or_none()
+    params = {"tenant": tenant_id, "advance": advance}
+    row = session.execute(_ADVANCE_HEAD, params).one_or_none()
     if row is None:  # the tenant's first leaf; a concurrent first appender may create it too
         insert_missing(session, AuditHead, [{"tenant_id": tenant_id, "size": 0, "frontier": []}])
-        row = session.execute(lock).one()
+        row = session.execute(_ADVANCE_HEAD, params).one()
     return row.size - advance, list(row.frontier)
 
 
@@ -170,15 +179,10 @@ def append_leaves(session: Session, tenant_id: str, entries: Sequence[LeafEntry]
         for level, index, digest in completed
     ]
     # Core inserts: the ORM's per-row bookkeeping would cost more than the hashing.
-    session.execute(insert(AuditLeaf.__table__), leaves)
+    session.execute(_INSERT_LEAVES, leaves)
     if nodes:
-        session.execute(insert(AuditNode.__table__), nodes)
-    session.execute(
-        update(AuditHead)
-        .where(AuditHead.tenant_id == tenant_id)
-        .values(frontier=[h.hex() for h in stack])
-        .execution_options(synchronize_session=False)
-    )
+        session.execute(_INSERT_NODES, nodes)
+    session.execute(_SET_FRONTIER, {"tenant": tenant_id, "frontier": [h.hex() for h in stack]})
     return [leaf["seq"] for leaf in leaves]
 
 
