@@ -12,7 +12,7 @@ from dataclasses import asdict, dataclass, replace
 from typing import Any, Protocol
 
 import numpy as np
-from sqlalchemy import select
+from sqlalchemy import bindparam, select
 from sqlalchemy.orm import Session
 
 from provenance.hashing import blake3_hex
@@ -143,15 +143,24 @@ def retrieve(
 def visible_chunks(
     session: Session, tenant_id: str, epoch: int, chunk_ids: list[str]
 ) -> list[tuple[Chunk, str]]:
-    """The chunks among ``chunk_ids`` whose version SQL shows as visible at ``epoch``."""
+    """The chunks among ``chunk_ids`` whose version SQL shows as visible at ``epoch``, with
+    their version's title. Rows with a chunk's columns, not ORM objects: on every request's
+    path, and only copied out."""
     if not chunk_ids:
         return []
-    query = (
-        select(Chunk, SourceVersion.title)
-        .join(SourceVersion, CHUNK_VERSION)
-        .where(Chunk.tenant_id == tenant_id, Chunk.id.in_(chunk_ids), visible_at(epoch))
+    rows = session.execute(_VISIBLE_CHUNKS, {"tenant": tenant_id, "ids": chunk_ids, "epoch": epoch})
+    return [(row, row.version_title) for row in rows]
+
+
+_VISIBLE_CHUNKS = (
+    select(*Chunk.__table__.columns, SourceVersion.title.label("version_title"))
+    .join(SourceVersion, CHUNK_VERSION)
+    .where(
+        Chunk.tenant_id == bindparam("tenant"),
+        Chunk.id.in_(bindparam("ids", expanding=True)),
+        visible_at(bindparam("epoch")),
     )
-    return [(c, t) for c, t in session.execute(query)]
+)
 
 
 def pinned_chunks(
