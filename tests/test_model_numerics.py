@@ -224,12 +224,35 @@ def test_first_step_logits_match_transformers(bundled_checkpoint, model_name, hf
         assert int(ours.argmax()) == int(theirs.argmax())
 
 
+@pytest.fixture(scope="module")
+def hf_continuations(bundled_checkpoint, hf_model) -> list[list[int]]:
+    """transformers' 64 greedy tokens for each chat prompt, generated as one left-padded batch
+    (once for both models under test: the reference does not depend on them)."""
+    tokenizer = bundled_checkpoint.tokenizer
+    eos = tokenizer.eos_token_ids
+    prompts = [tokenizer.encode_chat(chat(p)) for p in CHAT_PROMPTS]
+    width = max(len(p) for p in prompts)
+    pad = eos[0]
+    input_ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts])
+    attention_mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+    with torch.no_grad():
+        generated = hf_model.generate(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            max_new_tokens=64,
+            do_sample=False,
+            eos_token_id=list(eos),
+            pad_token_id=pad,
+        )[:, width:]
+    return [row.tolist() for row in generated]
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("model_name", MODELS)
-def test_greedy_continuations_match_transformers(bundled_checkpoint, model_name, hf_model,
-                                                 request):
+def test_greedy_continuations_match_transformers(bundled_checkpoint, model_name,
+                                                 hf_continuations, request):
     """20 chat prompts, 64 greedy tokens each, all generated together with chunked prefills that
-    share steps with decodes; transformers generates them as one left-padded batch."""
+    share steps with decodes, against transformers' continuations."""
     bundled_model = request.getfixturevalue(model_name)
     tokenizer = bundled_checkpoint.tokenizer
     eos = tokenizer.eos_token_ids
@@ -238,22 +261,9 @@ def test_greedy_continuations_match_transformers(bundled_checkpoint, model_name,
         bundled_model, prompts, 64, eos, prefill_chunk=24, token_budget=96
     )
     assert mixed_steps > 0
-
-    width = max(len(p) for p in prompts)
-    pad = tokenizer.eos_token_ids[0]
-    input_ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts])
-    attention_mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
-    with torch.no_grad():
-        theirs = hf_model.generate(
-            input_ids=input_ids,
-            attention_mask=attention_mask,
-            max_new_tokens=64,
-            do_sample=False,
-            eos_token_id=list(eos),
-            pad_token_id=pad,
-        )[:, width:]
     same = [
-        until_eos(o, eos) == until_eos(t.tolist(), eos) for o, t in zip(ours, theirs, strict=True)
+        until_eos(o, eos) == until_eos(t, eos)
+        for o, t in zip(ours, hf_continuations, strict=True)
     ]
     assert sum(same) >= 19, [CHAT_PROMPTS[i] for i, s in enumerate(same) if not s]
     assert tokenizer.decode(ours[0]).strip().startswith("The capital of France is Paris")
