@@ -116,19 +116,18 @@ def append_receipt(session: Session, receipt: Receipt) -> int:
     )
 
 
+_LEAF, _NODE, _HEAD = AuditLeaf.__table__, AuditNode.__table__, AuditHead.__table__
 # Statements built once (every answer appends a leaf): building them cost more than running them.
 _ADVANCE_HEAD = (
-    update(AuditHead.__table__)
-    .where(AuditHead.__table__.c.tenant_id == bindparam("tenant"))
-    .values(size=AuditHead.__table__.c.size + bindparam("advance"))
-    .returning(AuditHead.__table__.c.size, AuditHead.__table__.c.frontier)
+    update(_HEAD)
+    .where(_HEAD.c.tenant_id == bindparam("tenant"))
+    .values(size=_HEAD.c.size + bindparam("advance"))
+    .returning(_HEAD.c.size, _HEAD.c.frontier)
 )
 _SET_FRONTIER = (
-    update(AuditHead.__table__)
-    .where(AuditHead.__table__.c.tenant_id == bindparam("tenant"))
-    .values(frontier=bindparam("frontier"))
+    update(_HEAD).where(_HEAD.c.tenant_id == bindparam("tenant")).values(frontier=bindparam("frontier"))
 )
-_INSERT_LEAVES, _INSERT_NODES = insert(AuditLeaf.__table__), insert(AuditNode.__table__)
+_INSERT_LEAVES, _INSERT_NODES = insert(_LEAF), insert(_NODE)
 
 
 def _lock_head(session: Session, tenant_id: str, advance: int) -> tuple[int, list[str]]:
@@ -193,7 +192,6 @@ def append_leaves(session: Session, tenant_id: str, entries: Sequence[LeafEntry]
 
 # Statements built once: the SQL compilation cache serves them whatever the number of subtrees
 # asked (expanding IN lists), where a statement built per call would cost more than the query.
-_LEAF, _NODE, _HEAD = AuditLeaf.__table__, AuditNode.__table__, AuditHead.__table__
 _READ_HEAD = select(_HEAD.c.size, _HEAD.c.frontier).where(_HEAD.c.tenant_id == bindparam("tenant"))
 # Leaves and stored subtrees in one round trip, both by node number (a leaf's is 2 * seq).
 _READ_SUBTREES = union_all(

@@ -12,7 +12,7 @@ from dataclasses import asdict, dataclass, replace
 from typing import Any, Protocol
 
 import numpy as np
-from sqlalchemy import bindparam, select
+from sqlalchemy import Row, bindparam, select
 from sqlalchemy.orm import Session
 
 from provenance.hashing import blake3_hex
@@ -62,8 +62,9 @@ class RetrievedChunk:
     char_end: int
 
     @classmethod
-    def of(cls, rank: int, score: float, chunk: Chunk, title: str) -> "RetrievedChunk":
-        """A chunk row as retrieved (or pinned) at ``rank`` with ``score``."""
+    def of(cls, rank: int, score: float, chunk: Chunk | Row[Any], title: str) -> "RetrievedChunk":
+        """A chunk (an ORM object, or a row with its columns) as retrieved (or pinned) at
+        ``rank`` with ``score``."""
         return cls(
             rank=rank,
             score=score,
@@ -142,7 +143,7 @@ def retrieve(
 
 def visible_chunks(
     session: Session, tenant_id: str, epoch: int, chunk_ids: list[str]
-) -> list[tuple[Chunk, str]]:
+) -> list[tuple[Row[Any], str]]:
     """The chunks among ``chunk_ids`` whose version SQL shows as visible at ``epoch``, with
     their version's title. Rows with a chunk's columns, not ORM objects: on every request's
     path, and only copied out."""
