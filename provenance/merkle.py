@@ -145,26 +145,38 @@ def consistency_proof(old_size: int, leaves: list[bytes]) -> list[bytes]:
     return [root(leaves[a:b]) for a, b in consistency_ranges(old_size, len(leaves))]
 
 
+def _sibling_sides(fn: int, sn: int, count: int) -> list[bool] | None:
+    """RFC 9162's walk up from node ``fn`` of a tree whose last node is ``sn``, shared by both
+    verifiers: for each of ``count`` proof hashes in turn, whether it is the left sibling. None
+    when the proof's length does not fit the tree: the walk must reach the root (``sn == 0``)
+    with its last hash, not before."""
+    sides = []
+    for _ in range(count):
+        if sn == 0:
+            return None
+        left = bool(fn & 1) or fn == sn
+        if left and not fn & 1:
+            while fn and not fn & 1:
+                fn >>= 1
+                sn >>= 1
+        sides.append(left)
+        fn >>= 1
+        sn >>= 1
+    return sides if sn == 0 else None
+
+
 def verify_inclusion(
     index: int, size: int, leaf: bytes, proof: list[bytes], expected_root: bytes
 ) -> bool:
     if not 0 <= index < size:
         return False
-    fn, sn, r = index, size - 1, leaf
-    for p in proof:
-        if sn == 0:
-            return False
-        if fn & 1 or fn == sn:
-            r = node_hash(p, r)
-            if not fn & 1:
-                while fn and not fn & 1:
-                    fn >>= 1
-                    sn >>= 1
-        else:
-            r = node_hash(r, p)
-        fn >>= 1
-        sn >>= 1
-    return sn == 0 and r == expected_root
+    sides = _sibling_sides(index, size - 1, len(proof))
+    if sides is None:
+        return False
+    r = leaf
+    for p, left in zip(proof, sides, strict=True):
+        r = node_hash(p, r) if left else node_hash(r, p)
+    return r == expected_root
 
 
 def verify_consistency(
@@ -181,19 +193,14 @@ def verify_consistency(
     while fn & 1:
         fn >>= 1
         sn >>= 1
+    sides = _sibling_sides(fn, sn, len(path) - 1)
+    if sides is None:
+        return False
     fr = sr = path[0]
-    for c in path[1:]:
-        if sn == 0:
-            return False
-        if fn & 1 or fn == sn:
+    for c, left in zip(path[1:], sides, strict=True):
+        if left:
             fr = node_hash(c, fr)
             sr = node_hash(c, sr)
-            if not fn & 1:
-                while fn and not fn & 1:
-                    fn >>= 1
-                    sn >>= 1
         else:
             sr = node_hash(sr, c)
-        fn >>= 1
-        sn >>= 1
-    return sn == 0 and fr == old_root and sr == new_root
+    return fr == old_root and sr == new_root
