@@ -184,7 +184,41 @@ def exact_top(
 
 
 class _VisibilitySearch:
-    """The search strategy both backends share; they supply the two primitive queries."""
+    """The search strategy and the filters both backends share; they supply the two primitive
+    queries and the three conditions the filters are made of, in their own API's types."""
+
+    def _match(self, key: str, value: Any) -> Any:
+        raise NotImplementedError
+
+    def _range(self, key: str, **bounds: int) -> Any:
+        """``key`` within ``bounds`` (``lt``, ``lte``, ``gt``)."""
+        raise NotImplementedError
+
+    def _filter(self, *conditions: Any) -> Any:
+        """Every one of ``conditions``."""
+        raise NotImplementedError
+
+    def _tenant_filter(self, tenant_id: str | None) -> Any:
+        """The tenant's points; None, every point, when no tenant is named."""
+        return self._filter(self._match("tenant", tenant_id)) if tenant_id else None
+
+    def _version_filter(self, tenant_id: str, source_id: str, version: int) -> Any:
+        return self._filter(
+            self._match("tenant", tenant_id),
+            self._match("source_id", source_id),
+            self._match("version", version),
+        )
+
+    def _visible_filter(self, tenant_id: str, snapshot_epoch: int | None) -> Any:
+        """The points ``_query`` ranks: the tenant's live ones when ``snapshot_epoch`` is None,
+        else those whose ``[valid_from, valid_to)`` holds it."""
+        if snapshot_epoch is None:
+            return self._filter(self._match("live", tenant_id))
+        return self._filter(
+            self._match("tenant", tenant_id),
+            self._range("valid_from", lte=snapshot_epoch),
+            self._range("valid_to", gt=snapshot_epoch),
+        )
 
     def _query(
         self, vector: np.ndarray, tenant_id: str, snapshot_epoch: int | None, limit: int
@@ -283,14 +317,11 @@ class EdgeIndex(_VisibilitySearch):
     def _match(self, key: str, value: Any) -> Any:
         return self._qe.FieldCondition(key=key, match=self._qe.MatchValue(value))
 
-    def _version_filter(self, tenant_id: str, source_id: str, version: int) -> Any:
-        return self._qe.Filter(
-            must=[
-                self._match("tenant", tenant_id),
-                self._match("source_id", source_id),
-                self._match("version", version),
-            ]
-        )
+    def _range(self, key: str, **bounds: int) -> Any:
+        return self._qe.FieldCondition(key=key, range=self._qe.RangeFloat(**bounds))
+
+    def _filter(self, *conditions: Any) -> Any:
+        return self._qe.Filter(must=list(conditions))
 
     def upsert(self, points: Sequence[IndexPoint]) -> None:
         qe = self._qe
@@ -324,21 +355,11 @@ class EdgeIndex(_VisibilitySearch):
         self, vector: np.ndarray, tenant_id: str, snapshot_epoch: int | None, limit: int
     ) -> list[IndexHit]:
         qe = self._qe
-        if snapshot_epoch is None:
-            flt = qe.Filter(must=[self._match("live", tenant_id)])
-        else:
-            flt = qe.Filter(
-                must=[
-                    self._match("tenant", tenant_id),
-                    qe.FieldCondition(key="valid_from", range=qe.RangeFloat(lte=snapshot_epoch)),
-                    qe.FieldCondition(key="valid_to", range=qe.RangeFloat(gt=snapshot_epoch)),
-                ]
-            )
         found = self._shard.search(
             qe.SearchRequest(
                 query=qe.Query.Nearest(vector.tolist()),
                 limit=limit,
-                filter=flt,
+                filter=self._visible_filter(tenant_id, snapshot_epoch),
                 params=qe.SearchParams(exact=True),
                 with_payload=PAYLOAD_FIELDS,
             )
@@ -350,7 +371,7 @@ class EdgeIndex(_VisibilitySearch):
         records, _ = self._shard.scroll(
             qe.ScrollRequest(
                 limit=1,
-                filter=qe.Filter(must=[self._match("tenant", tenant_id), self._match("live", "")]),
+                filter=self._filter(self._match("tenant", tenant_id), self._match("live", "")),
                 with_payload=["valid_to"],
                 order_by=qe.OrderBy(
                     key="valid_to", direction=qe.Direction.Desc, start_from=CLOSED_BELOW
@@ -361,7 +382,7 @@ class EdgeIndex(_VisibilitySearch):
 
     def scan(self, tenant_id: str | None = None) -> Iterator[IndexPoint]:
         qe = self._qe
-        flt = qe.Filter(must=[self._match("tenant", tenant_id)]) if tenant_id else None
+        flt = self._tenant_filter(tenant_id)
         offset = None
         while True:
             records, offset = self._shard.scroll(
@@ -373,9 +394,9 @@ class EdgeIndex(_VisibilitySearch):
                 return
 
     def count(self, tenant_id: str | None = None) -> int:
-        qe = self._qe
-        flt = qe.Filter(must=[self._match("tenant", tenant_id)]) if tenant_id else None
-        return self._shard.count(qe.CountRequest(exact=True, filter=flt))
+        return self._shard.count(
+            self._qe.CountRequest(exact=True, filter=self._tenant_filter(tenant_id))
+        )
 
     def flush(self) -> None:
         self._shard.flush()
@@ -447,6 +468,12 @@ class QdrantClientIndex(_VisibilitySearch):
     def _match(self, key: str, value: Any) -> Any:
         return self._qm.FieldCondition(key=key, match=self._qm.MatchValue(value=value))
 
+    def _range(self, key: str, **bounds: int) -> Any:
+        return self._qm.FieldCondition(key=key, range=self._qm.Range(**bounds))
+
+    def _filter(self, *conditions: Any) -> Any:
+        return self._qm.Filter(must=list(conditions))
+
     def upsert(self, points: Sequence[IndexPoint]) -> None:
         qm = self._qm
         for start in range(0, len(points), SCAN_PAGE):
@@ -461,17 +488,10 @@ class QdrantClientIndex(_VisibilitySearch):
             self.client.upsert(self.collection, points=batch, wait=True)
 
     def close_version(self, tenant_id: str, source_id: str, version: int, valid_to: int) -> None:
-        qm = self._qm
         self.client.set_payload(
             self.collection,
             payload={"valid_to": valid_to, "live": tenant_id if valid_to == OPEN_EPOCH else ""},
-            points=qm.Filter(
-                must=[
-                    self._match("tenant", tenant_id),
-                    self._match("source_id", source_id),
-                    self._match("version", version),
-                ]
-            ),
+            points=self._version_filter(tenant_id, source_id, version),
             wait=True,
         )
 
@@ -492,24 +512,13 @@ class QdrantClientIndex(_VisibilitySearch):
     def _query(
         self, vector: np.ndarray, tenant_id: str, snapshot_epoch: int | None, limit: int
     ) -> list[IndexHit]:
-        qm = self._qm
-        if snapshot_epoch is None:
-            flt = qm.Filter(must=[self._match("live", tenant_id)])
-        else:
-            flt = qm.Filter(
-                must=[
-                    self._match("tenant", tenant_id),
-                    qm.FieldCondition(key="valid_from", range=qm.Range(lte=snapshot_epoch)),
-                    qm.FieldCondition(key="valid_to", range=qm.Range(gt=snapshot_epoch)),
-                ]
-            )
         response = self.client.query_points(
             self.collection,
             query=vector.tolist(),
-            query_filter=flt,
+            query_filter=self._visible_filter(tenant_id, snapshot_epoch),
             limit=limit,
             # Local mode is always brute force and warns about search params.
-            search_params=None if self._is_local else qm.SearchParams(exact=True),
+            search_params=None if self._is_local else self._qm.SearchParams(exact=True),
             with_payload=PAYLOAD_FIELDS,
         )
         return [_hit(p.id, p.score, p.payload) for p in response.points]
@@ -518,12 +527,10 @@ class QdrantClientIndex(_VisibilitySearch):
         qm = self._qm
         records, _ = self.client.scroll(
             self.collection,
-            scroll_filter=qm.Filter(
-                must=[
-                    self._match("tenant", tenant_id),
-                    self._match("live", ""),
-                    qm.FieldCondition(key="valid_to", range=qm.Range(lt=CLOSED_BELOW)),
-                ]
+            scroll_filter=self._filter(
+                self._match("tenant", tenant_id),
+                self._match("live", ""),
+                self._range("valid_to", lt=CLOSED_BELOW),
             ),
             limit=1,
             order_by=qm.OrderBy(
@@ -534,7 +541,7 @@ class QdrantClientIndex(_VisibilitySearch):
         return int(records[0].payload["valid_to"]) if records else 0
 
     def scan(self, tenant_id: str | None = None) -> Iterator[IndexPoint]:
-        flt = self._qm.Filter(must=[self._match("tenant", tenant_id)]) if tenant_id else None
+        flt = self._tenant_filter(tenant_id)
         offset = None
         while True:
             records, offset = self.client.scroll(
@@ -550,8 +557,9 @@ class QdrantClientIndex(_VisibilitySearch):
                 return
 
     def count(self, tenant_id: str | None = None) -> int:
-        flt = self._qm.Filter(must=[self._match("tenant", tenant_id)]) if tenant_id else None
-        return self.client.count(self.collection, count_filter=flt, exact=True).count
+        return self.client.count(
+            self.collection, count_filter=self._tenant_filter(tenant_id), exact=True
+        ).count
 
     def flush(self) -> None:
         # Writes use wait=True: the server has applied them when the call returns.
