@@ -221,25 +221,20 @@ class GenerationFailed(RuntimeError):
     """This request alone failed in the engine; its message is safe to show the client."""
 
 
-def failure(record: ReceiptRecord) -> APIError:
-    return APIError(
-        500,
-        f"generation failed; the receipt {record.receipt_id} records it",
-        type="server_error",
-        code="generation_failed",
-        headers={"X-Receipt-Id": record.receipt_id},
-    )
-
-
-def receipt_unavailable(exc: ReceiptNotCommitted) -> APIError:
-    """Fail closed: an answer whose receipt is not committed is not returned."""
-    return APIError(
-        503,
-        f"the answer was not returned because its receipt could not be committed ({exc}); retry",
-        type="server_error",
-        code="receipt_not_committed",
-        headers={"Retry-After": "2"},
-    )
+def generation_error(record: ReceiptRecord, exc: Exception) -> APIError:
+    """What the client is told when generating its answer failed with ``exc``. Fail closed: an
+    answer whose receipt is not committed is not returned, and no receipt is named; any other
+    failure is recorded by the receipt it names."""
+    if isinstance(exc, ReceiptNotCommitted):
+        status, code, headers = 503, "receipt_not_committed", {"Retry-After": "2"}
+        message = (
+            f"the answer was not returned because its receipt could not be committed ({exc}); "
+            "retry"
+        )
+    else:
+        status, code, headers = 500, "generation_failed", {"X-Receipt-Id": record.receipt_id}
+        message = f"generation failed; the receipt {record.receipt_id} records it"
+    return APIError(status, message, type="server_error", code=code, headers=headers)
 
 
 async def drain_unless_gone(stream: AsyncIterator[Any], request: Request) -> tuple[list, bool]:
@@ -304,8 +299,6 @@ async def respond(
         first = await anext(stream)
     except StopAsyncIteration:
         first = None
-    except ReceiptNotCommitted as exc:
-        raise receipt_unavailable(exc) from exc
     except (EngineOverloaded, InvalidRequest) as exc:
         overloaded = isinstance(exc, EngineOverloaded)
         raise APIError(
@@ -316,7 +309,7 @@ async def respond(
             headers={"Retry-After": "1"} if overloaded else None,
         ) from exc
     except Exception as exc:
-        raise failure(record) from exc
+        raise generation_error(record, exc) from exc
     header = {
         "id": f"{shape.id_prefix}-{record.receipt_id}",
         "created": created,
@@ -328,10 +321,8 @@ async def respond(
         if first is not None:  # run to the end, whose receipt write follows the last output
             try:
                 rest, gone = await drain_unless_gone(stream, request)
-            except ReceiptNotCommitted as exc:
-                raise receipt_unavailable(exc) from exc
             except Exception as exc:
-                raise failure(record) from exc
+                raise generation_error(record, exc) from exc
             if gone:  # nobody reads this; it keeps the access log and metrics honest
                 return APIError(
                     499, "client closed request", type="cancelled",
@@ -400,9 +391,9 @@ async def sse_events(
             if out.text or out.logprobs:
                 yield chunk(shape.choice(out.text, out.logprobs, final=False))
     except Exception as exc:
-        committed = not isinstance(exc, ReceiptNotCommitted)
-        error = failure(record) if committed else receipt_unavailable(exc)
+        error = generation_error(record, exc)
         # Only a committed receipt is named: fail closed when there is none.
+        committed = not isinstance(exc, ReceiptNotCommitted)
         yield sse.event({**error.body(), **({"receipt_id": record.receipt_id} if committed else {})})
         yield sse.event(sse.DONE)
         return
