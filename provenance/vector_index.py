@@ -184,19 +184,24 @@ def exact_top(
 
 
 class _VisibilitySearch:
-    """The search strategy and the filters both backends share; they supply the two primitive
-    queries and the three conditions the filters are made of, in their own API's types."""
+    """The search strategy and the filters both backends share. A backend supplies the two
+    primitive queries and the types its filters are built of: ``_api``, its API's module (both
+    APIs name ``Filter``, ``FieldCondition`` and ``MatchValue`` alike), and ``_range_type``,
+    the one type they name apart."""
+
+    _api: Any
+    _range_type: Any
 
     def _match(self, key: str, value: Any) -> Any:
-        raise NotImplementedError
+        return self._api.FieldCondition(key=key, match=self._api.MatchValue(value=value))
 
     def _range(self, key: str, **bounds: int) -> Any:
         """``key`` within ``bounds`` (``lt``, ``lte``, ``gt``)."""
-        raise NotImplementedError
+        return self._api.FieldCondition(key=key, range=self._range_type(**bounds))
 
     def _filter(self, *conditions: Any) -> Any:
         """Every one of ``conditions``."""
-        raise NotImplementedError
+        return self._api.Filter(must=list(conditions))
 
     def _tenant_filter(self, tenant_id: str | None) -> Any:
         """The tenant's points; None, every point, when no tenant is named."""
@@ -277,7 +282,7 @@ class EdgeIndex(_VisibilitySearch):
     def __init__(self, path: Path | str, dim: int, datatype: str = "float16") -> None:
         import qdrant_edge as qe
 
-        self._qe = qe
+        self._api, self._range_type = qe, qe.RangeFloat
         self.dim = dim
         self.path = Path(path)
         storage = {"float16": qe.VectorStorageDatatype.Float16, "float32": None}[datatype]
@@ -304,7 +309,7 @@ class EdgeIndex(_VisibilitySearch):
                 self._shard.update(qe.UpdateOperation.create_field_index(field_name, schema))
 
     def _payload_indexes(self) -> dict[str, Any]:
-        qe = self._qe
+        qe = self._api
         return {
             "tenant": qe.KeywordIndexParams(is_tenant=True),
             "live": qe.KeywordIndexParams(is_tenant=True),
@@ -314,17 +319,8 @@ class EdgeIndex(_VisibilitySearch):
             "valid_to": qe.IntegerIndexParams(lookup=True, range=True),
         }
 
-    def _match(self, key: str, value: Any) -> Any:
-        return self._qe.FieldCondition(key=key, match=self._qe.MatchValue(value))
-
-    def _range(self, key: str, **bounds: int) -> Any:
-        return self._qe.FieldCondition(key=key, range=self._qe.RangeFloat(**bounds))
-
-    def _filter(self, *conditions: Any) -> Any:
-        return self._qe.Filter(must=list(conditions))
-
     def upsert(self, points: Sequence[IndexPoint]) -> None:
-        qe = self._qe
+        qe = self._api
         for start in range(0, len(points), SCAN_PAGE):
             batch = [
                 qe.Point(_point_uuid(p.chunk_id), _as_list(p.vector, self.dim), p.payload())
@@ -334,7 +330,7 @@ class EdgeIndex(_VisibilitySearch):
 
     def close_version(self, tenant_id: str, source_id: str, version: int, valid_to: int) -> None:
         self._shard.update(
-            self._qe.UpdateOperation.set_payload_by_filter(
+            self._api.UpdateOperation.set_payload_by_filter(
                 self._version_filter(tenant_id, source_id, version),
                 {"valid_to": valid_to, "live": tenant_id if valid_to == OPEN_EPOCH else ""},
             )
@@ -343,18 +339,18 @@ class EdgeIndex(_VisibilitySearch):
     def set_payloads(self, points: Sequence[IndexPoint]) -> None:
         for p in points:
             self._shard.update(
-                self._qe.UpdateOperation.overwrite_payload([_point_uuid(p.chunk_id)], p.payload())
+                self._api.UpdateOperation.overwrite_payload([_point_uuid(p.chunk_id)], p.payload())
             )
 
     def delete(self, chunk_ids: Sequence[str]) -> None:
         if chunk_ids:
             ids = [_point_uuid(c) for c in chunk_ids]
-            self._shard.update(self._qe.UpdateOperation.delete_points(ids))
+            self._shard.update(self._api.UpdateOperation.delete_points(ids))
 
     def _query(
         self, vector: np.ndarray, tenant_id: str, snapshot_epoch: int | None, limit: int
     ) -> list[IndexHit]:
-        qe = self._qe
+        qe = self._api
         found = self._shard.search(
             qe.SearchRequest(
                 query=qe.Query.Nearest(vector.tolist()),
@@ -367,7 +363,7 @@ class EdgeIndex(_VisibilitySearch):
         return [_hit(p.id, p.score, p.payload) for p in found]
 
     def _latest_close(self, tenant_id: str) -> int:
-        qe = self._qe
+        qe = self._api
         records, _ = self._shard.scroll(
             qe.ScrollRequest(
                 limit=1,
@@ -381,7 +377,7 @@ class EdgeIndex(_VisibilitySearch):
         return int(records[0].payload["valid_to"]) if records else 0
 
     def scan(self, tenant_id: str | None = None) -> Iterator[IndexPoint]:
-        qe = self._qe
+        qe = self._api
         flt = self._tenant_filter(tenant_id)
         offset = None
         while True:
@@ -395,7 +391,7 @@ class EdgeIndex(_VisibilitySearch):
 
     def count(self, tenant_id: str | None = None) -> int:
         return self._shard.count(
-            self._qe.CountRequest(exact=True, filter=self._tenant_filter(tenant_id))
+            self._api.CountRequest(exact=True, filter=self._tenant_filter(tenant_id))
         )
 
     def flush(self) -> None:
@@ -420,7 +416,7 @@ class QdrantClientIndex(_VisibilitySearch):
     def __init__(self, client: Any, collection: str, dim: int) -> None:
         from qdrant_client import models as qm
 
-        self._qm = qm
+        self._api, self._range_type = qm, qm.Range
         self.client = client
         self.collection = collection
         self.dim = dim
@@ -449,7 +445,7 @@ class QdrantClientIndex(_VisibilitySearch):
         return vectors.size if hasattr(vectors, "size") else next(iter(vectors.values())).size
 
     def _payload_indexes(self) -> dict[str, Any]:
-        qm = self._qm
+        qm = self._api
         return {
             "tenant": qm.KeywordIndexParams(type=qm.KeywordIndexType.KEYWORD, is_tenant=True),
             "live": qm.KeywordIndexParams(type=qm.KeywordIndexType.KEYWORD, is_tenant=True),
@@ -465,17 +461,8 @@ class QdrantClientIndex(_VisibilitySearch):
             ),
         }
 
-    def _match(self, key: str, value: Any) -> Any:
-        return self._qm.FieldCondition(key=key, match=self._qm.MatchValue(value=value))
-
-    def _range(self, key: str, **bounds: int) -> Any:
-        return self._qm.FieldCondition(key=key, range=self._qm.Range(**bounds))
-
-    def _filter(self, *conditions: Any) -> Any:
-        return self._qm.Filter(must=list(conditions))
-
     def upsert(self, points: Sequence[IndexPoint]) -> None:
-        qm = self._qm
+        qm = self._api
         for start in range(0, len(points), SCAN_PAGE):
             batch = [
                 qm.PointStruct(
@@ -505,7 +492,7 @@ class QdrantClientIndex(_VisibilitySearch):
         if chunk_ids:
             self.client.delete(
                 self.collection,
-                points_selector=self._qm.PointIdsList(points=[_point_uuid(c) for c in chunk_ids]),
+                points_selector=self._api.PointIdsList(points=[_point_uuid(c) for c in chunk_ids]),
                 wait=True,
             )
 
@@ -518,13 +505,13 @@ class QdrantClientIndex(_VisibilitySearch):
             query_filter=self._visible_filter(tenant_id, snapshot_epoch),
             limit=limit,
             # Local mode is always brute force and warns about search params.
-            search_params=None if self._is_local else self._qm.SearchParams(exact=True),
+            search_params=None if self._is_local else self._api.SearchParams(exact=True),
             with_payload=PAYLOAD_FIELDS,
         )
         return [_hit(p.id, p.score, p.payload) for p in response.points]
 
     def _latest_close(self, tenant_id: str) -> int:
-        qm = self._qm
+        qm = self._api
         records, _ = self.client.scroll(
             self.collection,
             scroll_filter=self._filter(
