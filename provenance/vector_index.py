@@ -183,11 +183,11 @@ def exact_top(
         fetch *= 2
 
 
-class _VisibilitySearch:
-    """The search strategy and the filters both backends share. A backend supplies the two
-    primitive queries and the types its filters are built of: ``_api``, its API's module (both
-    APIs name ``Filter``, ``FieldCondition`` and ``MatchValue`` alike), and ``_range_type``,
-    the one type they name apart."""
+class _QdrantIndex:
+    """What both backends share: the search strategy, the filters and a scan's paging. A backend
+    supplies the three primitive queries and the types its filters are built of: ``_api``, its
+    API's module (both APIs name ``Filter``, ``FieldCondition`` and ``MatchValue`` alike), and
+    ``_range_type``, the one type they name apart."""
 
     _api: Any
     _range_type: Any
@@ -235,6 +235,20 @@ class _VisibilitySearch:
         """The largest ``valid_to`` among the tenant's closed points (0 when none)."""
         raise NotImplementedError
 
+    def _page(self, flt: Any, offset: Any) -> tuple[list[Any], Any]:
+        """Up to ``SCAN_PAGE`` records matching ``flt`` from ``offset``, with their payloads, and
+        the next page's offset (None after the last page)."""
+        raise NotImplementedError
+
+    def scan(self, tenant_id: str | None = None) -> Iterator[IndexPoint]:
+        flt, offset = self._tenant_filter(tenant_id), None
+        while True:
+            records, offset = self._page(flt, offset)
+            for record in records:
+                yield IndexPoint.from_payload(record.payload)
+            if offset is None:
+                return
+
     def search(
         self, tenant_id: str, vector: np.ndarray, snapshot_epoch: int, limit: int
     ) -> list[IndexHit]:
@@ -266,7 +280,7 @@ def _point_uuid(chunk_id: str) -> str:
 # ---------------------------------------------------------------------------------------------
 
 
-class EdgeIndex(_VisibilitySearch):
+class EdgeIndex(_QdrantIndex):
     """Qdrant's engine in process, stored under one directory.
 
     Vectors are stored as float16 by default: exact search reads every candidate vector, so
@@ -376,18 +390,10 @@ class EdgeIndex(_VisibilitySearch):
         )
         return int(records[0].payload["valid_to"]) if records else 0
 
-    def scan(self, tenant_id: str | None = None) -> Iterator[IndexPoint]:
-        qe = self._api
-        flt = self._tenant_filter(tenant_id)
-        offset = None
-        while True:
-            records, offset = self._shard.scroll(
-                qe.ScrollRequest(offset=offset, limit=SCAN_PAGE, filter=flt, with_payload=True)
-            )
-            for record in records:
-                yield IndexPoint.from_payload(record.payload)
-            if offset is None:
-                return
+    def _page(self, flt: Any, offset: Any) -> tuple[list[Any], Any]:
+        return self._shard.scroll(
+            self._api.ScrollRequest(offset=offset, limit=SCAN_PAGE, filter=flt, with_payload=True)
+        )
 
     def count(self, tenant_id: str | None = None) -> int:
         return self._shard.count(
@@ -409,7 +415,7 @@ class EdgeIndex(_VisibilitySearch):
 # ---------------------------------------------------------------------------------------------
 
 
-class QdrantClientIndex(_VisibilitySearch):
+class QdrantClientIndex(_QdrantIndex):
     """A collection on a Qdrant server (or in qdrant-client's local mode, which speaks the same
     API: ``QdrantClient(location=":memory:")`` or ``QdrantClient(path=...)``)."""
 
@@ -527,21 +533,10 @@ class QdrantClientIndex(_VisibilitySearch):
         )
         return int(records[0].payload["valid_to"]) if records else 0
 
-    def scan(self, tenant_id: str | None = None) -> Iterator[IndexPoint]:
-        flt = self._tenant_filter(tenant_id)
-        offset = None
-        while True:
-            records, offset = self.client.scroll(
-                self.collection,
-                scroll_filter=flt,
-                limit=SCAN_PAGE,
-                offset=offset,
-                with_payload=True,
-            )
-            for record in records:
-                yield IndexPoint.from_payload(record.payload)
-            if offset is None:
-                return
+    def _page(self, flt: Any, offset: Any) -> tuple[list[Any], Any]:
+        return self.client.scroll(
+            self.collection, scroll_filter=flt, limit=SCAN_PAGE, offset=offset, with_payload=True
+        )
 
     def count(self, tenant_id: str | None = None) -> int:
         return self.client.count(
