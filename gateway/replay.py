@@ -182,12 +182,12 @@ def drift_report(services: Services, session: Session, body: ReceiptBody) -> dic
         max(len(body.chunks), 1),
         min_score=services.settings.retrieval_min_score,
     )
-    cited = {(c["source_id"], c["version"]) for c in body.chunks}
+    cited = {(c.source_id, c.version) for c in body.chunks}
     sources = [
         source_drift(session, body.tenant_id, source_id, version, body.chunks, now_epoch)
         for source_id, version in sorted(cited)
     ]
-    then_ids = [c["chunk_id"] for c in body.chunks]
+    then_ids = [c.chunk_id for c in body.chunks]
     now_ids = [c.chunk_id for c in now.chunks]
     return {
         "retrieval_enabled": True,
@@ -200,7 +200,8 @@ def drift_report(services: Services, session: Session, body: ReceiptBody) -> dic
 
 
 def source_drift(
-    session: Session, tenant_id: str, source_id: str, version: int, cited: list[dict], epoch: int
+    session: Session, tenant_id: str, source_id: str, version: int,
+    cited: list[memory.CitedChunk], epoch: int
 ) -> dict[str, Any]:
     latest = session.scalar(
         select(SourceVersion)
@@ -229,9 +230,9 @@ def source_drift(
     )
     diffs = []
     for c in cited:
-        if c["source_id"] != source_id or c["version"] != version:
+        if c.source_id != source_id or c.version != version:
             continue
-        old = session.get(Chunk, c["chunk_id"])
+        old = session.get(Chunk, c.chunk_id)
         if old is None:
             continue
         closest = max(

@@ -8,7 +8,7 @@ be rebuilt later without running retrieval again.
 
 import math
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass, replace
+from dataclasses import dataclass, fields, replace
 from typing import Any, Protocol
 
 import numpy as np
@@ -48,7 +48,10 @@ class UnknownSnapshot(ValueError):
 
 
 @dataclass(frozen=True, slots=True)
-class RetrievedChunk:
+class CitedChunk:
+    """A chunk as a receipt records it: where it ranked, and which exact bytes by id and hash.
+    The text stays in the truth layer, from which replay reloads and re-verifies it."""
+
     rank: int
     score: float
     chunk_id: str
@@ -57,9 +60,28 @@ class RetrievedChunk:
     version: int
     ordinal: int
     title: str
-    text: str
     char_start: int
     char_end: int
+
+    def citation(self) -> dict[str, Any]:
+        """The chunk as an answer's ``citations`` show it."""
+        return {
+            "index": self.rank,
+            "source_id": self.source_id,
+            "version": self.version,
+            "chunk_id": self.chunk_id,
+            "chunk_hash": self.chunk_hash,
+            "span": [self.char_start, self.char_end],
+            "title": self.title,
+            "score": self.score,
+        }
+
+
+@dataclass(frozen=True, slots=True)
+class RetrievedChunk(CitedChunk):
+    """A cited chunk with its text, as the prompt holds it."""
+
+    text: str
 
     @classmethod
     def of(cls, rank: int, score: float, chunk: Chunk | Row[Any], title: str) -> "RetrievedChunk":
@@ -79,17 +101,8 @@ class RetrievedChunk:
             char_end=chunk.char_end,
         )
 
-    def citation(self) -> dict[str, Any]:
-        return {
-            "index": self.rank,
-            "source_id": self.source_id,
-            "version": self.version,
-            "chunk_id": self.chunk_id,
-            "chunk_hash": self.chunk_hash,
-            "span": [self.char_start, self.char_end],
-            "title": self.title,
-            "score": self.score,
-        }
+    def cited(self) -> CitedChunk:
+        return CitedChunk(**{f.name: getattr(self, f.name) for f in fields(CitedChunk)})
 
 
 @dataclass(frozen=True, slots=True)
@@ -106,7 +119,7 @@ class Retrieval:
             "query": self.query,
             "snapshot_epoch": self.snapshot_epoch,
             "embedding_model": self.embedding_model,
-            "chunks": [{k: v for k, v in asdict(c).items() if k != "text"} for c in used],
+            "chunks": [c.cited() for c in used],
         }
 
 
@@ -165,7 +178,7 @@ _VISIBLE_CHUNKS = (
 
 
 def pinned_chunks(
-    session: Session, tenant_id: str, recorded: list[dict[str, Any]]
+    session: Session, tenant_id: str, recorded: Sequence[CitedChunk]
 ) -> tuple[list[RetrievedChunk], list[str]]:
     """Reload the exact chunk versions a receipt names and verify each hash.
 
@@ -174,27 +187,27 @@ def pinned_chunks(
     problems: list[str] = []
     chunks: list[RetrievedChunk] = []
     for entry in recorded:
-        row = session.get(Chunk, entry["chunk_id"])
+        row = session.get(Chunk, entry.chunk_id)
         title = session.scalar(
             select(SourceVersion.title).where(
                 SourceVersion.tenant_id == tenant_id,
-                SourceVersion.source_id == entry["source_id"],
-                SourceVersion.version == entry["version"],
+                SourceVersion.source_id == entry.source_id,
+                SourceVersion.version == entry.version,
             )
         )
         if row is None or row.tenant_id != tenant_id or title is None:
             problems.append(
-                f"chunk {entry['chunk_id']} ({entry['source_id']} v{entry['version']}) is missing"
+                f"chunk {entry.chunk_id} ({entry.source_id} v{entry.version}) is missing"
             )
             continue
-        if blake3_hex(row.text) != entry["chunk_hash"] or row.chunk_hash != entry["chunk_hash"]:
+        if blake3_hex(row.text) != entry.chunk_hash or row.chunk_hash != entry.chunk_hash:
             problems.append(
-                f"chunk {entry['chunk_id']} ({entry['source_id']} v{entry['version']}): text does not match its recorded hash"
+                f"chunk {entry.chunk_id} ({entry.source_id} v{entry.version}): text does not match its recorded hash"
             )
         # The recorded hash stays: a receipt's chunk is what it recorded, even when it no
         # longer matches (the problem above says so).
-        pinned = RetrievedChunk.of(entry["rank"], entry["score"], row, title)
-        chunks.append(replace(pinned, chunk_hash=entry["chunk_hash"]))
+        pinned = RetrievedChunk.of(entry.rank, entry.score, row, title)
+        chunks.append(replace(pinned, chunk_hash=entry.chunk_hash))
     return chunks, problems
 
 

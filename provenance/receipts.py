@@ -16,6 +16,7 @@ from sqlalchemy.orm import Session
 
 from provenance import audit_log
 from provenance.hashing import blake3_hex
+from provenance.memory import CitedChunk
 from provenance.models import Receipt, ReceiptCitation, utcnow
 
 
@@ -148,8 +149,7 @@ class ReceiptBody(BaseModel):
     retrieval_query: str | None = Field(alias="inherent.retrieval.query")
     snapshot_epoch: int | None = Field(alias="inherent.retrieval.snapshot_epoch")
     embedding_model: str | None = Field(alias="inherent.retrieval.embedding_model")
-    # The chunks the prompt held, as provenance.memory records them (RetrievedChunk's fields).
-    chunks: list[dict[str, Any]] = Field(alias="inherent.retrieval.chunks")
+    chunks: list[CitedChunk] = Field(alias="inherent.retrieval.chunks")  # those the prompt held
     template: str = Field(alias="inherent.prompt.template")
     prompt_hash: str = Field(alias="inherent.prompt.hash")
     output_text: str = Field(alias="inherent.output.text")
@@ -196,7 +196,7 @@ def write_receipt(session: Session, record: ReceiptRecord) -> Receipt:
         body=body.stored(),
     )
     session.execute(_INSERT_RECEIPT, {c.key: getattr(receipt, c.key) for c in _RECEIPTS.columns})
-    cited = sorted({(c["source_id"], c["version"]) for c in body.chunks})
+    cited = sorted({(c.source_id, c.version) for c in body.chunks})
     if cited:
         session.execute(_INSERT_CITATION, [
             {"receipt_id": receipt.id, "source_id": s, "version": v, "tenant_id": receipt.tenant_id}

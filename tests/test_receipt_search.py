@@ -11,6 +11,7 @@ from typer.testing import CliRunner
 from gateway.cli import app
 from provenance import audit_log, incident, migrate
 from provenance.db import session_scope
+from provenance.memory import CitedChunk
 from provenance.models import Receipt, Tenant
 from provenance.receipts import ReceiptQuery, ReceiptRecord, list_receipts, write_receipt
 
@@ -29,8 +30,8 @@ ROWS = [
 
 def record(receipt_id, minutes, error, cited, tenant) -> ReceiptRecord:
     chunks = [
-        {"rank": i + 1, "chunk_id": f"{receipt_id}-c{i}", "chunk_hash": "h", "source_id": s,
-         "version": v, "score": 0.5}
+        CitedChunk(rank=i + 1, score=0.5, chunk_id=f"{receipt_id}-c{i}", chunk_hash="h",
+                   source_id=s, version=v, ordinal=0, title=s, char_start=0, char_end=1)
         for i, (s, v) in enumerate(cited)
     ]
     return ReceiptRecord(

@@ -21,25 +21,25 @@ from provenance.db import session_scope
 from provenance.hashing import canonical_json
 from provenance.memory import format_source
 from provenance.models import Receipt, utcnow
-from provenance.receipts import STATUSES, ReceiptQuery, get_receipt, list_receipts
+from provenance.receipts import STATUSES, ReceiptBody, ReceiptQuery, get_receipt, list_receipts
 
 router = APIRouter(tags=["receipts"])
 
 
 def receipt_out(session, receipt: Receipt) -> ReceiptOut:
-    timeline = receipt.body.get("inherent.timeline") or {}
+    body = ReceiptBody.of(receipt)
     leaf = audit_log.receipt_leaf_data(session, receipt)
     return ReceiptOut(
         id=receipt.id,
         status=receipt.status,
-        created_at=receipt.body["created_at"],
+        created_at=body.created_at,
         body=receipt.body,
         inclusion_proof=audit_log.inclusion_proof(session, receipt.tenant_id, receipt.id),
         # The exact bytes behind the hashes, so a client (the review console) can recompute the
         # body hash and the leaf hash itself instead of trusting the server's verdict.
         body_canonical=canonical_json(receipt.body).decode(),
         leaf_data=None if leaf is None else leaf.decode(),
-        diagnosis=diagnose([timeline]) if timeline.get("ttft") is not None else None,
+        diagnosis=diagnose([body.timeline]) if body.timeline.get("ttft") is not None else None,
     )
 
 
@@ -123,27 +123,24 @@ def read_receipts(
     page = rows[:limit]
     return {
         "object": "list",
-        "data": [
-            {
-                "id": r.id,
-                "status": r.status,
-                "created_at": r.body["created_at"],
-                "model": r.model_id,
-                "snapshot_epoch": r.snapshot_epoch,
-                "question": last_user_message(r.body),
-                "sources": sorted(
-                    {f"{c['source_id']} v{c['version']}" for c in r.body["inherent.retrieval.chunks"]}
-                ),
-            }
-            for r in page
-        ],
+        "data": [receipt_summary(r) for r in page],
         "next_cursor": encode_cursor(page[-1]) if len(rows) > limit else None,
     }
 
 
-def last_user_message(body: dict) -> str:
-    users = [m["content"] for m in body["inherent.request.messages"] if m["role"] == "user"]
-    return users[-1] if users else ""
+def receipt_summary(receipt: Receipt) -> dict:
+    """A receipt as a list shows it: the question asked and the source versions cited."""
+    body = ReceiptBody.of(receipt)
+    users = [m["content"] for m in body.messages if m["role"] == "user"]
+    return {
+        "id": receipt.id,
+        "status": receipt.status,
+        "created_at": body.created_at,
+        "model": receipt.model_id,
+        "snapshot_epoch": receipt.snapshot_epoch,
+        "question": users[-1] if users else "",
+        "sources": sorted({f"{c.source_id} v{c.version}" for c in body.chunks}),
+    }
 
 
 @router.get("/v1/receipts/{receipt_id}/context")
