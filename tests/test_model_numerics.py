@@ -265,7 +265,7 @@ def test_greedy_continuations_match_transformers(bundled_checkpoint, model_name,
         until_eos(o, eos) == until_eos(t, eos)
         for o, t in zip(ours, hf_continuations, strict=True)
     ]
-    assert sum(same) >= 19, [CHAT_PROMPTS[i] for i, s in enumerate(same) if not s]
+    assert all(same), [CHAT_PROMPTS[i] for i, s in enumerate(same) if not s]
     assert tokenizer.decode(ours[0]).strip().startswith("The capital of France is Paris")
 
 
