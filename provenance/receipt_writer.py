@@ -1,6 +1,12 @@
-"""Receipt commits off the event loop, retried while the database is unreachable.
+"""Receipt commits off the event loop, in groups, retried while the database is unreachable.
 
-A request's receipt is written by a small pool of threads, never on the asyncio loop. A commit
+Receipts are written by one committer thread, never on the asyncio loop. The receipts waiting
+when a commit starts share its transaction (group commit): under load, one transaction and one
+WAL flush serve every answer that finished meanwhile, and no writer queues behind another for
+the database's write lock. Each request is still answered only once its own receipt is
+committed. A group whose commit fails for a reason other than the database being unreachable
+is committed again one receipt at a time, so a receipt that cannot be written fails alone. A
+commit
 that meets a transient failure (``provenance.db.is_transient``: the server restarting, a
 dropped connection, SQLite locked past its busy timeout) is tried again with backoff until the
 request's deadline. A retry first looks the receipt up, because a commit whose answer was lost
@@ -13,8 +19,12 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import queue
+import threading
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
+from collections.abc import Sequence
+from concurrent.futures import Future
+from dataclasses import dataclass, field
 
 from provenance.db import is_transient, session_scope
 from provenance.models import Receipt
@@ -30,45 +40,64 @@ class ReceiptNotCommitted(RuntimeError):
     """The receipt is not in the database: the answer it covers must not be reported complete."""
 
 
-def commit_receipt(url: str, record: ReceiptRecord, deadline: float) -> int:
-    """Write the receipt and its audit leaf in one transaction, retrying transient failures until
-    ``deadline`` (``time.monotonic()``); return the attempts it took."""
+def commit_receipts(url: str, records: Sequence[ReceiptRecord], deadline: float) -> int:
+    """Write the receipts and their audit leaves in one transaction, retrying transient failures
+    until ``deadline`` (``time.monotonic()``); return the attempts it took."""
     attempt, delay = 0, FIRST_BACKOFF_S
+    named = records[0].receipt_id if len(records) == 1 else f"{len(records)} receipts"
     while True:
         attempt += 1
         try:
             with session_scope(url, write=True) as session:
-                if attempt == 1 or session.get(Receipt, record.receipt_id) is None:
-                    write_receipt(session, record)
+                for record in records:
+                    if attempt == 1 or session.get(Receipt, record.receipt_id) is None:
+                        write_receipt(session, record)
             return attempt
         except Exception as error:
             if not is_transient(error):
                 raise ReceiptNotCommitted(
-                    f"receipt {record.receipt_id} was not committed: {type(error).__name__}: {error}"
+                    f"{named} not committed: {type(error).__name__}: {error}"
                 ) from error
             if time.monotonic() + delay > deadline:
                 raise ReceiptNotCommitted(
-                    f"receipt {record.receipt_id} was not committed: the database stayed "
-                    f"unavailable through {attempt} attempts ({type(error).__name__})"
+                    f"{named} not committed: the database stayed unavailable through "
+                    f"{attempt} attempts ({type(error).__name__})"
                 ) from error
         time.sleep(delay)
         delay = min(delay * 2, MAX_BACKOFF_S)
 
 
-class ReceiptWriter:
-    """Commits receipts on its own threads; ``close`` waits for the ones still pending."""
+@dataclass(slots=True)
+class _Pending:
+    record: ReceiptRecord
+    deadline: float
+    future: Future[int] = field(default_factory=Future)
 
-    def __init__(self, url: str, timeout_s: float, workers: int = 4):
-        self.url, self.timeout_s = url, timeout_s
-        self._pool = ThreadPoolExecutor(workers, thread_name_prefix="inherent-receipts")
+
+class ReceiptWriter:
+    """Commits receipts in groups on its own thread; ``close`` waits for the ones pending."""
+
+    def __init__(self, url: str, timeout_s: float, max_group: int = 64):
+        self.url, self.timeout_s, self.max_group = url, timeout_s, max_group
+        self._pending: queue.SimpleQueue[_Pending | None] = queue.SimpleQueue()
+        # Started by the first receipt: a process that forks after building the writer (a
+        # server's workers) gets a committer in the process that writes.
+        self._thread: threading.Thread | None = None
+        self._starting = threading.Lock()
 
     def submit(self, record: ReceiptRecord) -> Future[int]:
-        """Start committing the receipt; a failure is logged even if nobody waits for it (a
-        cancelled request's receipt is written after its client has gone)."""
-        deadline = time.monotonic() + self.timeout_s
-        future = self._pool.submit(commit_receipt, self.url, record, deadline)
-        future.add_done_callback(_log_failure)
-        return future
+        """Queue the receipt for the next group commit; a failure is logged even if nobody waits
+        for it (a cancelled request's receipt is written after its client has gone)."""
+        pending = _Pending(record, time.monotonic() + self.timeout_s)
+        pending.future.add_done_callback(_log_failure)
+        with self._starting:
+            if self._thread is None:
+                self._thread = threading.Thread(
+                    target=self._run, name="inherent-receipts", daemon=True
+                )
+                self._thread.start()
+        self._pending.put(pending)
+        return pending.future
 
     async def write(self, record: ReceiptRecord) -> None:
         """Commit the receipt without blocking the loop; ReceiptNotCommitted when it cannot be.
@@ -76,7 +105,51 @@ class ReceiptWriter:
         await asyncio.shield(asyncio.wrap_future(self.submit(record)))
 
     def close(self) -> None:
-        self._pool.shutdown(wait=True)
+        with self._starting:
+            if self._thread is None:
+                return
+            self._pending.put(None)
+            self._thread.join()
+
+    def _run(self) -> None:
+        while (first := self._pending.get()) is not None:
+            group = [first]
+            while len(group) < self.max_group:
+                try:
+                    pending = self._pending.get_nowait()
+                except queue.Empty:
+                    break
+                if pending is None:  # closing: commit what came before, then stop
+                    self._commit(group)
+                    return
+                group.append(pending)
+            self._commit(group)
+
+    def _commit(self, group: list[_Pending]) -> None:
+        try:
+            attempts = commit_receipts(
+                self.url, [p.record for p in group], min(p.deadline for p in group)
+            )
+        except ReceiptNotCommitted as error:
+            if len(group) > 1 and not _unreachable(error):
+                for pending in group:  # one receipt may be at fault: it alone must fail
+                    self._commit([pending])
+                return
+            for pending in group:
+                pending.future.set_exception(error)
+            return
+        except BaseException as error:  # never leave a request waiting on its receipt
+            for pending in group:
+                pending.future.set_exception(ReceiptNotCommitted(f"receipt not committed: {error}"))
+            raise
+        for pending in group:
+            pending.future.set_result(attempts)
+
+
+def _unreachable(error: ReceiptNotCommitted) -> bool:
+    """Whether the commit failed because the database stayed unreachable past the deadline (then
+    every receipt of the group fails alike, and trying each alone would only wait again)."""
+    return error.__cause__ is not None and is_transient(error.__cause__)
 
 
 def _log_failure(future: Future[int]) -> None:

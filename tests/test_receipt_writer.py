@@ -1,0 +1,109 @@
+"""Group commit of receipts (provenance/receipt_writer.py): the receipts waiting when a commit
+starts share its transaction, each is answered only once committed, and one that cannot be
+written fails alone."""
+
+import threading
+
+import pytest
+from sqlalchemy import func, select
+
+from provenance import migrate, receipt_writer
+from provenance.db import session_scope
+from provenance.models import AuditLeaf, Receipt, Tenant
+from provenance.receipt_writer import ReceiptNotCommitted, ReceiptWriter
+from provenance.receipts import ReceiptRecord, new_receipt_id
+
+
+def record(tenant: str = "acme") -> ReceiptRecord:
+    return ReceiptRecord(
+        receipt_id=new_receipt_id(), tenant_id=tenant, api_key_id=None, model_id="m",
+        weights_hash="w", messages=[{"role": "user", "content": "q"}], sampling={}, engine={},
+        retrieval=None, prompt_text="p", prompt_token_count=1, template_version="t",
+        output_text="a",
+    )
+
+
+@pytest.fixture
+def url(tmp_path) -> str:
+    url = f"sqlite:///{tmp_path / 'receipts.db'}"
+    migrate.upgrade(url)
+    with session_scope(url, write=True) as session:
+        session.add_all([Tenant(id="acme", name="acme"), Tenant(id="globex", name="globex")])
+    return url
+
+
+def stored(url: str) -> tuple[set[str], int]:
+    with session_scope(url) as session:
+        ids = set(session.scalars(select(Receipt.id)))
+        leaves = session.scalar(select(func.count()).where(AuditLeaf.kind == "receipt"))
+    return ids, leaves
+
+
+@pytest.fixture
+def held_transactions(monkeypatch):
+    """Every transaction's receipt ids; the first transaction waits until released, so the
+    receipts submitted meanwhile queue behind it. Returns the ids, the first receipt's future
+    (its commit under way) and the release."""
+    groups: list[list[str]] = []
+    holding, release = threading.Event(), threading.Event()
+    real = receipt_writer.commit_receipts
+
+    def commit(url, records, deadline):
+        groups.append([r.receipt_id for r in records])
+        if len(groups) == 1:
+            holding.set()
+            release.wait(10)
+        return real(url, records, deadline)
+
+    monkeypatch.setattr(receipt_writer, "commit_receipts", commit)
+
+    def hold(writer: ReceiptWriter):
+        first = writer.submit(record())
+        assert holding.wait(10)
+        return first
+
+    return groups, hold, release
+
+
+def test_receipts_that_finish_together_share_one_transaction(url, held_transactions):
+    groups, hold, release = held_transactions
+    writer = ReceiptWriter(url, timeout_s=10)
+    first = hold(writer)
+    together = [record(tenant) for tenant in ["acme", "globex"] * 8]
+    futures = [writer.submit(r) for r in together]
+    release.set()
+    assert first.result(10) == 1 and all(f.result(10) == 1 for f in futures)
+    writer.close()
+    assert groups == [[groups[0][0]], [r.receipt_id for r in together]]
+    ids, leaves = stored(url)
+    assert ids == {groups[0][0], *(r.receipt_id for r in together)} and leaves == 17
+
+
+def test_a_receipt_that_cannot_be_written_fails_alone(url, held_transactions):
+    groups, hold, release = held_transactions
+    bad = record(tenant="no-such-tenant")  # no such tenant: its rows break a foreign key
+    writer = ReceiptWriter(url, timeout_s=10)
+    first = hold(writer)
+    good = [record(), record()]
+    futures = {r.receipt_id: writer.submit(r) for r in [good[0], bad, good[1]]}
+    release.set()
+    first.result(10)
+    with pytest.raises(ReceiptNotCommitted, match=bad.receipt_id):
+        futures[bad.receipt_id].result(10)
+    assert all(futures[r.receipt_id].result(10) == 1 for r in good)
+    writer.close()
+    # the group failed as one transaction, then each receipt was committed alone
+    assert groups[1] == [good[0].receipt_id, bad.receipt_id, good[1].receipt_id]
+    assert groups[2:] == [[good[0].receipt_id], [bad.receipt_id], [good[1].receipt_id]]
+    ids, leaves = stored(url)
+    assert ids == {groups[0][0], *(r.receipt_id for r in good)}
+    assert leaves == 3
+
+
+def test_close_waits_for_every_pending_receipt(url):
+    writer = ReceiptWriter(url, timeout_s=10)
+    records = [record() for _ in range(40)]
+    futures = [writer.submit(r) for r in records]
+    writer.close()
+    assert all(f.done() and f.exception() is None for f in futures)
+    assert stored(url) == ({r.receipt_id for r in records}, 40)
