@@ -61,6 +61,9 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--rounds", type=int, default=1)
     parser.add_argument("--no-vllm", action="store_true", help="only Inherent")
+    parser.add_argument("--inherent-env", action="append", default=[], metavar="NAME=VALUE",
+                        help="a setting for Inherent's server, e.g. "
+                        "INHERENT_MAX_NUM_BATCHED_TOKENS=96 (repeatable)")
     return parser.parse_args()
 
 
@@ -217,7 +220,8 @@ def main() -> None:
             contextlib.ExitStack() as servers:
         data_dir = Path(scratch)
         targets = {"inherent": Target("inherent", servers.enter_context(
-            inherent_server(data_dir, API_KEY)).base_url, "inherent",
+            inherent_server(data_dir, API_KEY, dict(e.split("=", 1) for e in args.inherent_env))
+        ).base_url, "inherent",
             {"Authorization": f"Bearer {API_KEY}"})}
         if with_vllm:
             targets["vllm"] = Target("vllm", servers.enter_context(
@@ -260,7 +264,7 @@ def main() -> None:
     summary.update({
         "concurrency": args.concurrency, "duration_s": args.duration,
         "prompt_tokens": [args.prompt_min, args.prompt_max], "output_tokens": args.output_tokens,
-        "rounds": rounds, "cpu": machine,
+        "inherent_env": args.inherent_env, "rounds": rounds, "cpu": machine,
     })
     print(json.dumps(summary))
 
