@@ -494,11 +494,12 @@ def test_one_requests_sampling_failure_ends_only_that_request():
     assert_no_leaks(engine)
 
 
-def test_top_k_and_logit_bias_beyond_the_vocabulary_are_refused_up_front(tmp_path):
+def test_top_k_and_logit_bias_beyond_the_vocabulary_are_refused_up_front(tiny):
     """Refused before any work, in the intake both engine modes share: a logit_bias id past the
     vocabulary used to fail the row's sampling (and hang the request in disaggregated mode)."""
+    # A small cache: the default 2 GB budget, zeroed, would take seconds and is never used.
     engine = LLMEngine.from_config(
-        EngineConfig(model=str(write_tiny_llama(tmp_path / "m")), max_model_len=128)
+        EngineConfig(model=str(tiny.path), max_model_len=128, num_kv_blocks=64)
     )
     vocab = engine.model_runner.vocab_size
     with pytest.raises(InvalidRequest, match="top_k"):
