@@ -22,8 +22,10 @@ pytestmark = pytest.mark.slow
 @pytest.fixture(scope="module")
 def api(tmp_path_factory):
     needs_kernels()
-    # Fifty requests of one tenant at once: above the default quota of requests in flight.
-    yield from serve_api(tmp_path_factory, batch_invariant=True, tenant_max_concurrent_requests=64)
+    # Fifty requests of one tenant at once: above the default quota of requests in flight; the
+    # server's default KV cache (32768 tokens) holds all fifty.
+    yield from serve_api(tmp_path_factory, batch_invariant=True, tenant_max_concurrent_requests=64,
+                         kv_cache_tokens=32768)
 
 QUESTIONS = [
     "How long does a password reset link stay valid?",
