@@ -6,9 +6,11 @@ model and its transformers reference load once per session.
 
 from __future__ import annotations
 
+import functools
 import json
 from collections.abc import Hashable, Sequence
 from pathlib import Path
+from unittest import mock
 
 import pytest
 import torch
@@ -89,15 +91,21 @@ def load_hf_reference_model():
     ``load_gguf_checkpoint``: dequantize, undo the Q/K permutation), minus its requirement that
     `accelerate` be installed, which the project does not depend on.
     """
+    import gguf
     from transformers import AutoConfig, LlamaForCausalLM
     from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
 
     path = bundled_model_path()
-    config = AutoConfig.from_pretrained(path.parent, gguf_file=path.name)
-    model = LlamaForCausalLM(config).float().eval()
-    tensors = load_gguf_checkpoint(
-        path, return_tensors=True, model_to_load=model, torch_dtype=torch.float32
-    )["tensors"]
+    # transformers parses the GGUF twice (config, then tensors) and rebuilds gguf's tensor-name
+    # map for each of the model's ~400 submodules: pure functions of their arguments, most of
+    # the load's time, so each is computed once here. What transformers computes is unchanged.
+    with mock.patch.object(gguf, "GGUFReader", functools.cache(gguf.GGUFReader)), \
+            mock.patch.object(gguf, "get_tensor_name_map", functools.cache(gguf.get_tensor_name_map)):
+        config = AutoConfig.from_pretrained(path.parent, gguf_file=path.name)
+        model = LlamaForCausalLM(config).float().eval()
+        tensors = load_gguf_checkpoint(
+            str(path), return_tensors=True, model_to_load=model, torch_dtype=torch.float32
+        )["tensors"]
     missing, unexpected = model.load_state_dict(tensors, strict=False)
     assert not unexpected and set(missing) <= {"lm_head.weight"}, (missing, unexpected)
     model.tie_weights()
