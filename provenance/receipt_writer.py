@@ -5,10 +5,10 @@ when a commit starts share its transaction (group commit): under load, one trans
 WAL flush serve every answer that finished meanwhile, and no writer queues behind another for
 the database's write lock. Each request is still answered only once its own receipt is
 committed. A group whose commit fails for a reason other than the database being unreachable
-is committed again one receipt at a time, so a receipt that cannot be written fails alone. A
-commit
-that meets a transient failure (``provenance.db.is_transient``: the server restarting, a
-dropped connection, SQLite locked past its busy timeout) is tried again with backoff until the
+is committed again one receipt at a time, so a receipt that cannot be written fails alone.
+
+A commit that meets a transient failure (``provenance.db.is_transient``: the server restarting,
+a dropped connection, SQLite locked past its busy timeout) is tried again with backoff until the
 request's deadline. A retry first looks the receipt up, because a commit whose answer was lost
 with the connection may have landed; so a receipt and its audit leaf are never written twice.
 Past the deadline, or on any other failure, the write fails with ``ReceiptNotCommitted`` and
