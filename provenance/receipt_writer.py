@@ -138,10 +138,11 @@ class ReceiptWriter:
             for pending in group:
                 pending.future.set_exception(error)
             return
-        except BaseException as error:  # never leave a request waiting on its receipt
+        except Exception as error:  # a bug here: fail these requests, keep the committer alive
+            log.exception("receipt committer failed")
             for pending in group:
                 pending.future.set_exception(ReceiptNotCommitted(f"receipt not committed: {error}"))
-            raise
+            return
         for pending in group:
             pending.future.set_result(attempts)
 
