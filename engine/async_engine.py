@@ -3,13 +3,23 @@ request streams its outputs through an asyncio.Queue on the loop that asked for 
 
 A consumer that goes away (generator closed, task cancelled) aborts its request; the engine
 frees the request's blocks at its next step.
+
+Other compute of the same process can run on the engine thread between steps
+(`run_between_steps`): the API's query embeddings do. Torch gives every thread that runs a
+parallel kernel its own OpenMP team; a second team beside the engine's oversubscribes the cores,
+and each team's kernels then wait at their barriers for a thread the other team descheduled.
+On 2 cores, embedding each request's query on its own thread cost the engine 12 % of its
+output rate and tripled time to first token (bench/serving.py, 16 streams).
 """
 
 import asyncio
 import logging
+import queue
 import threading
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
+from concurrent.futures import Future
+from typing import TypeVar
 
 from prometheus_client import CollectorRegistry
 
@@ -21,12 +31,15 @@ from engine.sampling import InvalidRequest, SamplingParams
 
 log = logging.getLogger(__name__)
 
+T = TypeVar("T")
+
 
 class AsyncEngine:
     def __init__(self, engine: Engine):
         self.engine = engine
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self._wake = threading.Event()
+        self._calls: queue.SimpleQueue[tuple[Callable[[], object], Future]] = queue.SimpleQueue()
         self._stopping = False
         self._thread = threading.Thread(target=self._loop, name="inherent-engine", daemon=True)
         self._thread.start()
@@ -75,6 +88,23 @@ class AsyncEngine:
                 self.engine.abort_request(request_id)
                 self._wake.set()
 
+    def run_between_steps(self, fn: Callable[[], T]) -> T:
+        """Run `fn` on the engine thread before its next step and return what it returns (or
+        raise what it raises); the calling thread waits. Every call waiting when a step ends
+        runs before the next one. Once the engine thread has stopped, `fn` runs here."""
+        if threading.current_thread() is self._thread or not self._thread.is_alive():
+            return fn()
+        call: Future = Future()
+        self._calls.put((fn, call))
+        self._wake.set()
+        while True:
+            try:
+                return call.result(timeout=1.0)
+            except TimeoutError:
+                # Still queued behind a long step, or left behind by a thread that has ended.
+                if not self._thread.is_alive() and call.cancel():
+                    return fn()
+
     def is_healthy(self) -> bool:
         """The step thread runs and the engine behind it (workers, in disaggregated mode) is up."""
         return self._thread.is_alive() and not self._stopping and self.engine.is_healthy()
@@ -89,8 +119,10 @@ class AsyncEngine:
     def _loop(self) -> None:
         engine = self.engine
         while not self._stopping:
+            self._run_calls()
             if not engine.has_unfinished_requests():
-                self._wake.wait()
+                if self._calls.empty():
+                    self._wake.wait()
                 self._wake.clear()
                 continue
             try:
@@ -106,6 +138,17 @@ class AsyncEngine:
                 outputs = [(request_id, error) for request_id in failed]
             if outputs:
                 self._deliver(outputs)
+        self._run_calls()  # the calls that came with the shutdown
+
+    def _run_calls(self) -> None:
+        for _ in range(self._calls.qsize()):  # the ones waiting now; later ones after a step
+            fn, call = self._calls.get()
+            if not call.set_running_or_notify_cancel():
+                continue
+            try:
+                call.set_result(fn())
+            except BaseException as error:  # the caller's to handle, on its own thread
+                call.set_exception(error)
 
     def _deliver(self, outputs: list[tuple[str, RequestOutput | Exception]]) -> None:
         by_loop: dict[asyncio.AbstractEventLoop, list] = {}
@@ -118,5 +161,5 @@ class AsyncEngine:
 
 
 def _put_all(items: list[tuple[asyncio.Queue, object]]) -> None:
-    for queue, out in items:
-        queue.put_nowait(out)
+    for stream, out in items:
+        stream.put_nowait(out)

@@ -106,6 +106,12 @@ class Services:
         """The embedder's name (its model_id without the weights hash)."""
         return self.embedder.model_id.partition("@")[0]
 
+    def embed_query(self, query: str):
+        """The query's embedding, computed on the engine thread between two steps: from this
+        thread it would start a second OpenMP team on the engine's cores
+        (engine/async_engine.py)."""
+        return self.embedder.embed([query], run_forward=self.engine.run_between_steps)[0]
+
     def completion_prompt(self, prompt: str | list[int]) -> PreparedPrompt:
         """A text completion's prompt as sent: text is tokenized as the engine would (BOS
         included); token ids pass unchanged, their text decoded for the receipt's hash."""
@@ -148,7 +154,7 @@ class Services:
                 )
             query = memory.retrieval_query(messages)
             start = time.perf_counter()
-            vector = self.embedder.embed([query])[0]
+            vector = self.embed_query(query)
             timings.embed = time.perf_counter() - start
             retrieval = memory.retrieve(
                 session,

@@ -13,9 +13,9 @@ import json
 import threading
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from functools import lru_cache
+from functools import lru_cache, partial
 from pathlib import Path
-from typing import Protocol
+from typing import Protocol, TypeVar
 
 import numpy as np
 from blake3 import blake3
@@ -30,6 +30,10 @@ BUNDLED_NAME = "all-MiniLM-L6-v2"
 SPECIAL_TOKENS = 2  # [CLS] and [SEP] around every input
 
 
+T = TypeVar("T")
+ForwardRunner = Callable[[Callable[[], T]], T]
+
+
 class EmbeddingModelMissing(RuntimeError):
     pass
 
@@ -38,8 +42,9 @@ class Embedder(Protocol):
     model_id: str  # names the model and its weights: the cache key next to the chunk hash
     dim: int
 
-    def embed(self, texts: Sequence[str]) -> np.ndarray:
-        """float32 array of shape (len(texts), dim), rows L2-normalized."""
+    def embed(self, texts: Sequence[str], run_forward: ForwardRunner | None = None) -> np.ndarray:
+        """float32 array of shape (len(texts), dim), rows L2-normalized. `run_forward`, when
+        given, runs each batch's forward (a callable) where the caller wants it run."""
         ...
 
 
@@ -78,9 +83,8 @@ class TransformersEmbedder:
 
         self._torch = torch
         # One forward at a time: every thread that runs one starts its own OpenMP team, so
-        # concurrent queries (one per API request) would oversubscribe the cores the LLM
-        # engine's own team runs on. Waiting here costs no CPU.
-        self._forward = threading.Lock()
+        # concurrent forwards would oversubscribe the cores. Waiting here costs no CPU.
+        self._forward_lock = threading.Lock()
         self.model_dir = Path(model_dir)
         _check_pipeline(self.model_dir)
         st_config = _read_json(self.model_dir / "sentence_bert_config.json", default={})
@@ -99,8 +103,11 @@ class TransformersEmbedder:
         """The most tokens a chunk may have and still be embedded whole."""
         return self.max_seq_length - SPECIAL_TOKENS
 
-    def embed(self, texts: Sequence[str]) -> np.ndarray:
-        torch = self._torch
+    def embed(self, texts: Sequence[str], run_forward: ForwardRunner | None = None) -> np.ndarray:
+        """By default each batch's forward runs on this thread, one at a time in the process;
+        the API runs its queries' on the engine thread instead
+        (engine.AsyncEngine.run_between_steps), so that one OpenMP team holds the cores."""
+        run = run_forward or self._one_at_a_time
         out = np.zeros((len(texts), self.dim), dtype=np.float32)
         if not texts:
             return out
@@ -108,23 +115,31 @@ class TransformersEmbedder:
             len(ids) for ids in self.tokenizer.encode_batch(list(texts), add_special_tokens=False)
         ]
         order = sorted(range(len(texts)), key=lambda i: (lengths[i], i))
-        with torch.inference_mode():
-            for start in range(0, len(order), self.batch_size):
-                rows = order[start : start + self.batch_size]
-                batch = self.hf_tokenizer(
-                    [texts[i] for i in rows],
-                    padding=True,
-                    truncation=True,
-                    max_length=self.max_seq_length,
-                    return_tensors="pt",
-                )
-                with self._forward:  # per batch: a query never waits for a whole ingestion
-                    hidden = self.model(**batch).last_hidden_state
-                mask = batch["attention_mask"].unsqueeze(-1).to(hidden.dtype)
-                pooled = (hidden * mask).sum(dim=1) / mask.sum(dim=1).clamp(min=1e-9)
-                normalized = torch.nn.functional.normalize(pooled, p=2, dim=1)
-                out[rows] = normalized.float().numpy()
+        for start in range(0, len(order), self.batch_size):
+            rows = order[start : start + self.batch_size]
+            batch = self.hf_tokenizer(
+                [texts[i] for i in rows],
+                padding=True,
+                truncation=True,
+                max_length=self.max_seq_length,
+                return_tensors="pt",
+            )
+            # Per batch: a query never waits for a whole ingestion.
+            out[rows] = run(partial(self._embed_batch, batch))
         return out
+
+    def _one_at_a_time(self, forward: Callable[[], T]) -> T:
+        with self._forward_lock:
+            return forward()
+
+    def _embed_batch(self, batch) -> np.ndarray:
+        """Mean pooling over the attention mask, then L2 normalization."""
+        torch = self._torch
+        with torch.inference_mode():
+            hidden = self.model(**batch).last_hidden_state
+            mask = batch["attention_mask"].unsqueeze(-1).to(hidden.dtype)
+            pooled = (hidden * mask).sum(dim=1) / mask.sum(dim=1).clamp(min=1e-9)
+            return torch.nn.functional.normalize(pooled, p=2, dim=1).float().numpy()
 
 
 def _read_json(path: Path, default: dict | list | None = None):

@@ -1,6 +1,7 @@
 """The chat API through the official openai client, receipts, auth, tenancy and bad input."""
 
 import json
+import threading
 import time
 
 import pytest
@@ -206,6 +207,25 @@ def test_failure_mid_stream_leaves_a_failed_receipt(api, monkeypatch):
     receipt = api.client.get(f"/v1/receipts/{receipt_id}", headers=api.auth()).json()
     assert receipt["status"] == "failed"
     assert receipt["body"]["error.type"] == "generation_failed"
+
+
+def test_query_embeddings_run_on_the_engine_thread(api, monkeypatch):
+    """A request's query and a replay's drift check embed on the engine thread between steps,
+    never beside it on a thread of their own (engine/async_engine.py: two OpenMP teams)."""
+    embedder = api.app.state.services.embedder
+    model = embedder.model
+    threads = []
+
+    def recording(*args, **kwargs):
+        threads.append(threading.current_thread().name)
+        return model(*args, **kwargs)
+
+    monkeypatch.setattr(embedder, "model", recording)
+    reply = api.chat("How do I reset my password?", max_tokens=4)
+    assert reply["citations"]  # retrieval ran
+    response = api.client.post(f"/v1/receipts/{reply['receipt_id']}/replay", headers=api.auth())
+    assert response.status_code == 200, response.text
+    assert threads == ["inherent-engine"] * 2
 
 
 def test_metrics_and_health(api):

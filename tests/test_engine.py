@@ -8,6 +8,9 @@ Tests with the bundled SmolLM2 model are at the end.
 import asyncio
 import dataclasses
 import random
+import threading
+import time
+from functools import partial
 
 import pytest
 from engine_fixtures import needs_kernels, write_tiny_llama
@@ -321,6 +324,55 @@ async def test_async_step_failure_fails_the_requests_in_flight(async_engine):
     assert_no_leaks(async_engine.engine)
     outs = await collect(async_engine, [1, 2, 3], GREEDY)  # the engine serves on
     assert outs[-1].finished
+
+
+async def test_calls_run_on_the_engine_thread_between_steps(async_engine):
+    """Other compute (the API's query embeddings) runs on the engine thread, each call between
+    two whole steps, while requests stream; its result or error comes back to the caller."""
+    engine = async_engine.engine
+    step = engine.step
+    stepping = threading.Event()
+
+    def watched_step():
+        stepping.set()
+        try:
+            time.sleep(0.005)  # 40 steps outlast the calls below
+            return step()
+        finally:
+            stepping.clear()
+
+    engine.step = watched_step
+    seen = []
+
+    def call(i):
+        seen.append((i, threading.current_thread().name, stepping.is_set(),
+                     engine.has_unfinished_requests()))
+        if i == 3:
+            raise ValueError("bad input")
+        return i * 10
+
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    stream = asyncio.create_task(collect(async_engine, list(range(1, 30)), params))
+    while engine.num_steps < 2:
+        await asyncio.sleep(0.001)
+    results = await asyncio.gather(
+        *(asyncio.to_thread(async_engine.run_between_steps, partial(call, i)) for i in range(6)),
+        return_exceptions=True,
+    )
+    outs = await stream
+    assert [t for o in outs for t in o.token_ids] == reference_greedy(list(range(1, 30)), 40)
+    assert results[:3] + results[4:] == [0, 10, 20, 40, 50]
+    assert isinstance(results[3], ValueError)
+    assert sorted(i for i, *_ in seen) == list(range(6))
+    assert all(name == "inherent-engine" and not mid_step for _, name, mid_step, _ in seen)
+    assert all(decoding for *_, decoding in seen)  # between the request's steps
+
+
+def test_calls_after_shutdown_run_on_the_callers_thread():
+    engine = AsyncEngine(toy_engine(tokenizer=CharTokenizer()))
+    assert engine.run_between_steps(threading.current_thread) is engine._thread
+    engine.shutdown()
+    assert engine.run_between_steps(threading.current_thread) is threading.current_thread()
 
 
 # -- through the real Llama forward ---------------------------------------------------------
