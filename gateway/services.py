@@ -189,6 +189,7 @@ class Services:
 def build_services(settings: ServerSettings, registry: CollectorRegistry) -> Services:
     """Load the model, the embedder and the vector index named by the settings."""
     from engine import AsyncEngine, create_engine
+    from engine.openmp import release_thread_pool
 
     llm = create_engine(settings.engine, registry)
     runtime = Runtime(settings)
@@ -209,7 +210,7 @@ def build_services(settings: ServerSettings, registry: CollectorRegistry) -> Ser
         projection.catch_up_all()
         catch_up = CatchUpLoop(projection, settings.index_sync_interval_s)
         index = CaughtUpSearch(projection)
-    return Services(
+    services = Services(
         settings=settings,
         engine=AsyncEngine(llm),
         tokenizer=llm.tokenizer,
@@ -221,6 +222,12 @@ def build_services(settings: ServerSettings, registry: CollectorRegistry) -> Ser
         registry=registry,
         catch_up=catch_up,
     )
+    # From here on the engine thread runs this process's torch work, and only its OpenMP team
+    # may hold the cores (engine/openmp.py): loading left this thread a team of its own, and
+    # an ingestion job's or /v1/embeddings' thread keeps none between two forwards.
+    runtime.embedder.after_forward = release_thread_pool
+    release_thread_pool()
+    return services
 
 
 def numerics(config: EngineConfig) -> dict[str, Any]:

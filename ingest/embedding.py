@@ -85,6 +85,9 @@ class TransformersEmbedder:
         # One forward at a time: every thread that runs one starts its own OpenMP team, so
         # concurrent forwards would oversubscribe the cores. Waiting here costs no CPU.
         self._forward_lock = threading.Lock()
+        # Called on the forward's thread after each forward run here (not through a caller's
+        # `run_forward`): the API server releases the thread's OpenMP workers there.
+        self.after_forward: Callable[[], object] | None = None
         self.model_dir = Path(model_dir)
         _check_pipeline(self.model_dir)
         st_config = _read_json(self.model_dir / "sentence_bert_config.json", default={})
@@ -130,7 +133,11 @@ class TransformersEmbedder:
 
     def _one_at_a_time(self, forward: Callable[[], T]) -> T:
         with self._forward_lock:
-            return forward()
+            try:
+                return forward()
+            finally:
+                if self.after_forward is not None:
+                    self.after_forward()
 
     def _embed_batch(self, batch) -> np.ndarray:
         """Mean pooling over the attention mask, then L2 normalization."""
