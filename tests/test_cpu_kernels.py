@@ -7,6 +7,9 @@ reference), and a row's bits must not depend on the other rows of the call. Fuse
 the same results as the torch ops they replace (engine/layer_ops.py), row by row.
 """
 
+import threading
+import time
+
 import pytest
 import torch
 
@@ -399,3 +402,31 @@ def test_quant_linear_refuses_bad_input():
         kernel.QuantLinear(blocks, "Q4_1", 96)
     with pytest.raises(RuntimeError, match="does not match the blocks"):
         kernel.QuantLinear(blocks, "Q4_1", 64)(torch.randn(2, 96))
+
+
+def test_a_kernel_lets_other_python_threads_run():
+    """The kernels release the GIL, as torch's operators do: the API's threads (retrieval,
+    receipts, the event loop) run while the engine thread is inside one."""
+    blocks, _ = gguf_blocks("Q8_0", 1536, 1536, 5)
+    linear = kernel.QuantLinear(blocks, "Q8_0", 1536)
+    x = torch.randn(256, 1536, generator=torch.Generator().manual_seed(10))
+    linear(x, path="portable")  # built and warm
+    inside = threading.Event()
+    done = threading.Event()
+    progress = []
+
+    def run_kernel():
+        inside.set()
+        for _ in range(5):
+            linear(x, path="portable")  # 80 ms or more each
+        done.set()
+
+    worker = threading.Thread(target=run_kernel)
+    worker.start()
+    inside.wait()
+    while not done.is_set():
+        progress.append(time.perf_counter())  # Python bytecode: needs the GIL
+    worker.join()
+    gaps = [b - a for a, b in zip(progress, progress[1:], strict=False)]
+    # Holding the GIL, each kernel call would stop this loop for its whole duration.
+    assert len(progress) > 1000 and max(gaps) < 0.04, (len(progress), max(gaps))

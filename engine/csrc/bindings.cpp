@@ -11,24 +11,28 @@ std::vector<std::string> available_paths() {
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  // The compute kernels run without the GIL, as torch's own operators do: the API's threads
+  // (retrieval, receipts, the event loop) then run during a step's kernels instead of waiting
+  // for the engine thread to return to Python.
+  const auto without_gil = py::call_guard<py::gil_scoped_release>();
   m.def("available_paths", &available_paths, "implementations this build and CPU run, widest first");
-  m.def("paged_attention", &paged_attention,
+  m.def("paged_attention", &paged_attention, without_gil,
         "fixed-order paged attention (CPU; float32 or bfloat16 cache)", py::arg("q"),
         py::arg("cache"), py::arg("block_tables"), py::arg("token_seq"), py::arg("positions"),
         py::arg("scale"), py::arg("path"));
-  m.def("add_rms_norm", &add_rms_norm, "x += delta; RMSNorm(x), in place on x", py::arg("x"),
+  m.def("add_rms_norm", &add_rms_norm, without_gil, "x += delta; RMSNorm(x), in place on x", py::arg("x"),
         py::arg("delta"), py::arg("weight"), py::arg("eps"), py::arg("bf16_out"), py::arg("path"));
-  m.def("rope_write", &rope_write, "RoPE on q and k; k and v into the paged cache; q returned",
+  m.def("rope_write", &rope_write, without_gil, "RoPE on q and k; k and v into the paged cache; q returned",
         py::arg("qkv"), py::arg("cos_sin"), py::arg("positions"), py::arg("slots"),
         py::arg("cache"), py::arg("num_heads"), py::arg("path"));
-  m.def("silu_mul", &silu_mul, "silu(gate) * up of a fused gate_up projection", py::arg("gate_up"),
+  m.def("silu_mul", &silu_mul, without_gil, "silu(gate) * up of a fused gate_up projection", py::arg("gate_up"),
         py::arg("path"));
   m.def("quant_block_bytes", &quant_block_bytes, "bytes of a GGUF block type's block, 0 if unsupported",
         py::arg("qtype"));
-  m.def("quant_linear", &quant_linear, "x @ W.T, W as GGUF blocks (Q4_1, Q8_0); float32 arithmetic",
+  m.def("quant_linear", &quant_linear, without_gil, "x @ W.T, W as GGUF blocks (Q4_1, Q8_0); float32 arithmetic",
         py::arg("x"), py::arg("blocks"), py::arg("qtype"), py::arg("path"));
   m.attr("bf16_linear_supported") = bf16_linear_supported();
-  m.def("pack_bf16_weight", &pack_bf16_weight, "pack [N, K] for bf16_linear", py::arg("weight"));
-  m.def("bf16_linear", &bf16_linear, "x @ W.T: bf16 inputs, float32 accumulation and result",
+  m.def("pack_bf16_weight", &pack_bf16_weight, without_gil, "pack [N, K] for bf16_linear", py::arg("weight"));
+  m.def("bf16_linear", &bf16_linear, without_gil, "x @ W.T: bf16 inputs, float32 accumulation and result",
         py::arg("x"), py::arg("packed"), py::arg("columns"));
 }
