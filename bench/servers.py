@@ -90,11 +90,13 @@ def running(command: list[str], env: dict[str, str], ready_path: str, log_path: 
                 process.wait()
 
 
-@contextmanager
-def inherent_server(data_dir: Path, api_key: str | None = None,
-                    extra_env: dict[str, str] | None = None) -> Iterator[Server]:
-    port = free_port()
-    env = {
+INHERENT_CLI = [sys.executable, "-c", "from gateway.cli import run; run()"]
+
+
+def inherent_env(data_dir: Path, api_key: str | None = None,
+                 extra_env: dict[str, str] | None = None) -> dict[str, str]:
+    """The environment of an `inherent` command on the embedded default in `data_dir`."""
+    return {
         **os.environ,
         "INHERENT_DATA_DIR": str(data_dir),
         "INHERENT_DATABASE_URL": "",
@@ -104,9 +106,15 @@ def inherent_server(data_dir: Path, api_key: str | None = None,
         **({"INHERENT_API_KEY": api_key} if api_key else {}),
         **(extra_env or {}),
     }
-    command = [sys.executable, "-c", "from gateway.cli import run; run()", "serve",
-               "--port", str(port)]
-    with running(command, env, "/readyz", data_dir / "server.log", port) as server:
+
+
+@contextmanager
+def inherent_server(data_dir: Path, api_key: str | None = None,
+                    extra_env: dict[str, str] | None = None) -> Iterator[Server]:
+    port = free_port()
+    command = [*INHERENT_CLI, "serve", "--port", str(port)]
+    with running(command, inherent_env(data_dir, api_key, extra_env), "/readyz",
+                 data_dir / "server.log", port) as server:
         yield server
 
 

@@ -15,6 +15,13 @@ and time per output token ((last - first) / (tokens - 1), finished streams), p50
 output tokens per second; then the ratios. `--rounds` alternates the servers ABBA; the JSON
 carries every round and the median. Last line: one JSON object.
 
+While the streams run on Inherent, a probe asks one question every `--probe-interval` seconds
+(non-streaming, one output token) as a second tenant whose knowledge base is bench.overhead's
+corpus (`--probe-docs` articles, ingested through the CLI before the server starts; the
+streams' tenant has none, so their prompts reach the model as vLLM gets them). From its
+Server-Timing header: the provenance overhead under load, retrieval without the query embedding
+plus the receipt write, as bench.overhead defines it for one request at a time.
+
     flock /tmp/inherent-bench.lock .venv/bin/python -m bench.serving [--duration 120]
 """
 
@@ -26,6 +33,7 @@ import contextlib
 import json
 import random
 import statistics
+import subprocess
 import tempfile
 import time
 from dataclasses import dataclass, field
@@ -33,9 +41,19 @@ from pathlib import Path
 
 import httpx
 
-from bench.servers import cpu, inherent_server, vllm_peer_ready, vllm_server
+from bench.overhead import server_timing, write_corpus
+from bench.servers import (
+    INHERENT_CLI,
+    cpu,
+    inherent_env,
+    inherent_server,
+    vllm_peer_ready,
+    vllm_server,
+)
+from gateway.client import question
 
 API_KEY = "inherent-bench-serving-key-0123456789"
+PROBE_TENANT = "probe"
 # Common English words the tokenizer keeps whole, so a prompt's length is set word by word.
 WORDS_TEXT = """
 the of and to in is was for on that with as by at from his her are be this which have not one
@@ -61,6 +79,9 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--rounds", type=int, default=1)
     parser.add_argument("--no-vllm", action="store_true", help="only Inherent")
+    parser.add_argument("--probe-interval", type=float, default=2.0,
+                        help="seconds between the provenance probe's questions (0: no probe)")
+    parser.add_argument("--probe-docs", type=int, default=300)
     parser.add_argument("--inherent-env", action="append", default=[], metavar="NAME=VALUE",
                         help="a setting for Inherent's server, e.g. "
                         "INHERENT_MAX_NUM_BATCHED_TOKENS=96 (repeatable)")
@@ -82,6 +103,7 @@ class Target:
     base_url: str
     model: str
     headers: dict[str, str]
+    probe_headers: dict[str, str] | None = None  # the probe tenant's (Inherent only)
 
 
 async def prompt_tokens(client: httpx.AsyncClient, target: Target, text: str) -> int:
@@ -148,6 +170,38 @@ async def client_loop(client, target: Target, prompts: list[str], offset: int, a
         await one_stream(client, target, prompts[i % len(prompts)], args.output_tokens, streams)
 
 
+def probe_tenant(data_dir: Path, docs: int) -> str:
+    """The probe tenant's knowledge base and chat key, made with the CLI in the server's data
+    directory before it starts; the key's secret."""
+    corpus = data_dir / "probe-corpus"
+    write_corpus(corpus, docs)
+    env = inherent_env(data_dir)
+    subprocess.run([*INHERENT_CLI, "ingest", "--tenant", PROBE_TENANT, str(corpus)], env=env,
+                   check=True, capture_output=True)
+    created = subprocess.run(
+        [*INHERENT_CLI, "keys", "create", "--tenant", PROBE_TENANT, "--scope", "chat"],
+        env=env, check=True, capture_output=True, text=True)
+    return created.stdout.strip().splitlines()[-1]
+
+
+async def probe(client: httpx.AsyncClient, target: Target, interval: float,
+                phases_ms: dict[str, list[float]]) -> None:
+    # One question, asked again and again: the same retrieval and receipt every time, and its
+    # prompt's prefill is a prefix-cache hit, so the probe adds little work to the streams'.
+    body = question("How do I change the billing settings?", 1)
+    while True:
+        await asyncio.sleep(interval)
+        response = await client.post(f"{target.base_url}/v1/chat/completions",
+                                     headers=target.probe_headers, json=body)
+        response.raise_for_status()
+        if not response.json()["citations"]:
+            raise RuntimeError("the probe's question retrieved nothing")
+        timing = server_timing(response.headers["Server-Timing"])
+        for phase in ("retrieve", "receipt"):
+            phases_ms[phase].append(timing[phase])
+        phases_ms["overhead"].append(timing["retrieve"] + timing["receipt"])
+
+
 def percentiles(values: list[float]) -> dict[str, float | None]:
     if len(values) < 2:
         return {"p50": round(values[0], 1) if values else None, "p95": None, "p99": None}
@@ -188,6 +242,10 @@ async def load(target: Target, args) -> dict:
         start = time.perf_counter()
         tasks = [asyncio.create_task(client_loop(client, target, prompts, i, args, streams))
                  for i in range(args.concurrency)]
+        phases_ms: dict[str, list[float]] = {"overhead": [], "retrieve": [], "receipt": []}
+        if target.probe_headers:
+            tasks.append(asyncio.create_task(
+                probe(client, target, args.probe_interval, phases_ms)))
         await asyncio.wait(tasks, timeout=args.duration,
                                      return_when=asyncio.FIRST_EXCEPTION)
         end = time.perf_counter()
@@ -197,7 +255,13 @@ async def load(target: Target, args) -> dict:
             with contextlib.suppress(asyncio.CancelledError):
                 await task  # a failure (not a cancel) surfaces here
         await asyncio.sleep(2)  # let the server retire the closed streams before the next round
-    return summarize(streams, start, end)
+    result = summarize(streams, start, end)
+    if target.probe_headers:
+        result["provenance_overhead_ms"] = percentiles(phases_ms["overhead"])
+        result["probe_retrieve_ms"] = percentiles(phases_ms["retrieve"])
+        result["probe_receipt_ms"] = percentiles(phases_ms["receipt"])
+        result["probe_requests"] = len(phases_ms["overhead"])
+    return result
 
 
 def print_row(name: str, result: dict) -> None:
@@ -206,6 +270,12 @@ def print_row(name: str, result: dict) -> None:
           f"{result['itl_ms']['p50']} ms p99 {result['itl_ms']['p99']} | TPOT p50 "
           f"{result['tpot_ms']['p50']} ms | {result['requests_finished']} finished, prompt "
           f"{result['prompt_tokens_mean']} tok", flush=True)
+    if "provenance_overhead_ms" in result:
+        overhead = result["provenance_overhead_ms"]
+        print(f"            provenance overhead p50 {overhead['p50']} ms p95 {overhead['p95']} "
+              f"(retrieval p50 {result['probe_retrieve_ms']['p50']} ms, receipt p50 "
+              f"{result['probe_receipt_ms']['p50']} ms; {result['probe_requests']} probe "
+              f"questions)", flush=True)
 
 
 def main() -> None:
@@ -219,10 +289,12 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="inherent-serving-") as scratch, \
             contextlib.ExitStack() as servers:
         data_dir = Path(scratch)
+        probe_key = probe_tenant(data_dir, args.probe_docs) if args.probe_interval else None
         targets = {"inherent": Target("inherent", servers.enter_context(
             inherent_server(data_dir, API_KEY, dict(e.split("=", 1) for e in args.inherent_env))
         ).base_url, "inherent",
-            {"Authorization": f"Bearer {API_KEY}"})}
+            {"Authorization": f"Bearer {API_KEY}"},
+            {"Authorization": f"Bearer {probe_key}"} if probe_key else None)}
         if with_vllm:
             targets["vllm"] = Target("vllm", servers.enter_context(
                 vllm_server(data_dir / "vllm.log")).base_url, "smollm2", {})
@@ -250,6 +322,12 @@ def main() -> None:
         "ttft_p50_ms": median("inherent", "ttft_ms", "p50"),
         "tpot_p50_ms": median("inherent", "tpot_ms", "p50"),
     }
+    if args.probe_interval:
+        summary["provenance_overhead_loaded_ms_p50"] = median(
+            "inherent", "provenance_overhead_ms", "p50")
+        print(f"provenance overhead under load (retrieval without the query embedding, plus the "
+              f"receipt write): p50 {summary['provenance_overhead_loaded_ms_p50']} ms "
+              f"(target <= 2 ms)", flush=True)
     if with_vllm:
         summary.update({
             "vllm_out_tok_s": median("vllm", "out_tok_s"),
