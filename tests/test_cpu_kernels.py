@@ -7,6 +7,7 @@ reference), and a row's bits must not depend on the other rows of the call. Fuse
 the same results as the torch ops they replace (engine/layer_ops.py), row by row.
 """
 
+import itertools
 import threading
 import time
 
@@ -427,6 +428,6 @@ def test_a_kernel_lets_other_python_threads_run():
     while not done.is_set():
         progress.append(time.perf_counter())  # Python bytecode: needs the GIL
     worker.join()
-    gaps = [b - a for a, b in zip(progress, progress[1:], strict=False)]
+    gaps = [b - a for a, b in itertools.pairwise(progress)]
     # Holding the GIL, each kernel call would stop this loop for its whole duration.
     assert len(progress) > 1000 and max(gaps) < 0.04, (len(progress), max(gaps))
