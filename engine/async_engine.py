@@ -7,9 +7,10 @@ frees the request's blocks at its next step.
 Other compute of the same process can run on the engine thread between steps
 (`run_between_steps`): the API's query embeddings do. Torch gives every thread that runs a
 parallel kernel its own OpenMP team; a second team beside the engine's oversubscribes the cores,
-and each team's kernels then wait at their barriers for a thread the other team descheduled.
-On 2 cores, embedding each request's query on its own thread cost the engine 12 % of its
-output rate and tripled time to first token (bench/serving.py, 16 streams).
+and each team's kernels then wait at their barriers for a thread the other team descheduled
+(engine/openmp.py has what else it costs). Under 16 streams on 2 cores, queries embedded on the
+API's threads gave a time to first token p50 of 2.7-3.7 s, against 1.5-2.2 s between steps
+(bench/serving.py).
 """
 
 import asyncio
