@@ -107,6 +107,14 @@ inline void dequant(Avx2, Q8_0, const uint8_t* b, __m256* w) {
 }
 #endif
 
+// How far ahead (bytes) a tile prefetches the weights it will read. A tile's rows are a few
+// hundred bytes each, too short for the hardware prefetchers to learn them as streams: without
+// this a decode row waited on every cache line. Measured on 2 Zen 3 cores (AVX2), batch-1 decode
+// of the bundled model, 100 steps: median 24-30 ms without, 15 ms at 4 KB (8 and 16 KB the same
+// within noise); the LM head's Q8_0 blocks alone read at 3.3 GB/s on one core without, 6.4 with,
+// where a plain sum streams 14.
+constexpr int64_t kPrefetchBytes = 4096;
+
 // R rows of x times C weight rows (outputs), every block dequantized once for the R rows.
 // Pointers past the real rows/outputs repeat the last one; their results are not stored.
 template <class V, class Q, int R, int C>
@@ -119,6 +127,7 @@ void tile(const float* const* x, const uint8_t* const* w, int64_t num_blocks, fl
       for (int i = 0; i < kRegs; ++i) acc[r][c][i] = V::zero();
   for (int64_t b = 0; b < num_blocks; ++b) {
     for (int c = 0; c < C; ++c) {
+      __builtin_prefetch(w[c] + b * Q::kBytes + kPrefetchBytes);
       F wv[2 * kRegs];
       dequant(V{}, Q{}, w[c] + b * Q::kBytes, wv);
       for (int r = 0; r < R; ++r) {
