@@ -127,7 +127,7 @@ def report_matmul_crossover() -> None:
     """fp32 vs bf16 vs GGUF Q4_1 blocks (cpu_kernels.QuantLinear, float32 arithmetic): time of
     one layer's four matmuls by token count (bf16 as the engine runs it: our kernel where the CPU
     has AVX512-BF16, oneDNN otherwise). Where the blocks stop winning is
-    engine.model.BLOCK_MAX_ROWS."""
+    engine.model.BLOCK_MAX_ROWS (by dense kernel)."""
     from gguf import GGMLQuantizationType
     from gguf.quants import quantize
 

@@ -278,9 +278,11 @@ class _Linear:
 
 
 # Most rows a matmul runs on the GGUF blocks before the dense kernel takes over: reading 0.6-1
-# byte a weight wins while the weights' bytes dominate, float32 FMAs lose to bf16 dot products
-# (or oneDNN's float32 GEMM) once arithmetic does (bench/model_step.py measures both).
-BLOCK_MAX_ROWS = 4
+# byte a weight wins while the weights' bytes dominate, the blocks' float32 FMAs lose once
+# arithmetic does -- from 4 rows against bf16 dot products (our kernel, AVX512-BF16), from 16-32
+# rows against oneDNN's float32 GEMM (measured on 2 Zen 3 cores, a layer's four matmuls: blocks
+# 1.9 against 2.4 ms at 16 rows, 3.5 against 3.4 at 32; bench/model_step.py measures both).
+BLOCK_MAX_ROWS = {"bf16 kernel": 4, "oneDNN": 16}
 
 
 class _BlockLinear:
@@ -376,6 +378,7 @@ class LlamaModel:
             self.lm_head = _Linear(head)
             head_bytes = head.numel() * head.element_size()
         # GGUF blocks where given, on CPU with the kernels, in a float32 model
+        block_max_rows = BLOCK_MAX_ROWS["bf16 kernel" if bf16_kernel else "oneDNN"]
         quantized = (quantized or {}) if (self._kernels and dtype == torch.float32) else {}
         block_formats: set[str] = set()
 
@@ -384,7 +387,7 @@ class LlamaModel:
             if linear is None:
                 return dense
             block_formats.add(quantized[names[0]].qtype)
-            return _BlockLinear(linear, None if batch_invariant else dense, BLOCK_MAX_ROWS)
+            return _BlockLinear(linear, None if batch_invariant else dense, block_max_rows)
 
         head_name = "model.embed_tokens.weight" if tied else "lm_head.weight"
         self.lm_head = with_blocks(self.lm_head, [head_name])
@@ -429,7 +432,7 @@ class LlamaModel:
         if block_formats:
             self.weights_format = (f"gguf {'+'.join(sorted(block_formats))} blocks"
                                    + ("" if batch_invariant else
-                                      f" up to {BLOCK_MAX_ROWS} rows, {dense_format} above"))
+                                      f" up to {block_max_rows} rows, {dense_format} above"))
         else:
             self.weights_format = dense_format
 
