@@ -6,8 +6,8 @@ receipt per request) and, when `bench/peers/vllm_cpu.sh setup` has run, vLLM's O
 (dtype by the CPU's bf16 instructions, as the peer script chooses). One asyncio client drives
 each with `--concurrency` streams (16) of chat completions back to back for `--duration`
 seconds: prompts of `--prompt-min`..`--prompt-max` tokens (300..500, from a fixed seed, new ones
-each round, counted with the server's own /tokenize on the chat template), `--output-tokens` (128) each with
-`ignore_eos`, temperature 0. Every SSE event is parsed as it arrives. Streams still running at
+each round, counted with the server's own /tokenize on the chat template), `--output-tokens`
+(128) each with `ignore_eos`, temperature 0. Every SSE event is parsed as it arrives. Streams still running at
 the deadline are closed; their tokens so far count toward throughput.
 
 Reported per server: time to first token, inter-token latency (gaps between content events)

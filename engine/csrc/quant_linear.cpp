@@ -158,7 +158,8 @@ void tile(const float* const* x, const typename Source::T* const* w, int64_t num
         Source::load(w[c] + b * Source::kStride, wv);
         for (int r = 0; r < R; ++r)
           for (int j = 0; j < 2 * kRegs; ++j)
-            acc[r][c][j % kRegs] = V::fma(V::load(x[r] + b * kBlock + V::W * j), wv[j], acc[r][c][j % kRegs]);
+            acc[r][c][j % kRegs] =
+                V::fma(V::load(x[r] + b * kBlock + V::W * j), wv[j], acc[r][c][j % kRegs]);
       }
   } else {
     // A float panel: accumulator register i's chains (lanes of register i, then of kRegs + i,
@@ -243,7 +244,8 @@ void matmul_rows(const float* x, int64_t x_stride, int64_t rows, const uint8_t* 
           for (int64_t b = 0; b < num_blocks; ++b) {
             typename V::F wv[2 * V::kRegs];
             FromBlocks<V, Q>::load(w + (c0 + c) * w_stride + b * Q::kBytes, wv);
-            for (int i = 0; i < 2 * V::kRegs; ++i) V::store(&panel[c * k + b * kBlock + V::W * i], wv[i]);
+            for (int i = 0; i < 2 * V::kRegs; ++i)
+              V::store(&panel[c * k + b * kBlock + V::W * i], wv[i]);
           }
         // a tile's rows stay in L1 while they pass over the panel (in L2)
         for (int64_t r = 0; r < rows; r += S::kPanelRows)
