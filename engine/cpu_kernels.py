@@ -3,7 +3,8 @@
 * :func:`paged_attention`, the fixed-order paged attention (fixed_order_attention.cpp);
 * :func:`add_rms_norm`, :func:`rope_write` and :func:`silu_mul`, the fused element-wise work
   between a decoder layer's matmuls (layer_ops.cpp);
-* :class:`Bf16Linear`, a bf16 matmul with a float32 result (bf16_linear.cpp);
+* :class:`Bf16Linear`, a bf16 matmul with a float32 result (bf16_linear.cpp; AMX or
+  AVX512-BF16);
 * :class:`QuantLinear`, a float32 matmul reading its weight as GGUF blocks (quant_linear.cpp).
 
 Implementations: each kernel above (but the bf16 matmul, AVX512-BF16 only) has a portable path
@@ -147,14 +148,21 @@ def silu_mul(gate_up: torch.Tensor, *, path: str | None = None) -> torch.Tensor:
 
 
 def bf16_linear_supported() -> bool:
-    """Whether this CPU's build has :class:`Bf16Linear` (AVX512-BF16)."""
+    """Whether this CPU's build has :class:`Bf16Linear` (AVX512-BF16 or AMX)."""
     return available() and _module().bf16_linear_supported
+
+
+def bf16_linear_paths() -> list[str]:
+    """:class:`Bf16Linear`'s implementations here, the one it runs by default first: ``amx``
+    (tile dot products), ``avx512`` (AVX512-BF16 dot products)."""
+    return _module().bf16_linear_paths() if available() else []
 
 
 class Bf16Linear:
     """``y = x @ weight.T``: x (float32 or bf16) and the weight rounded to bf16, float32
     accumulation and result. Each output element is one fixed chain over k: row-invariant by
-    construction."""
+    construction. AMX where the CPU has it, else AVX512-BF16: the two add a pair's products in
+    opposite orders, so their bits differ; ``path`` (``amx``, ``avx512``) picks one."""
 
     __slots__ = ("in_features", "out_features", "packed")
 
@@ -162,8 +170,8 @@ class Bf16Linear:
         self.out_features, self.in_features = weight.shape
         self.packed = _module().pack_bf16_weight(weight)
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        return _module().bf16_linear(x, self.packed, self.out_features)
+    def __call__(self, x: torch.Tensor, *, path: str | None = None) -> torch.Tensor:
+        return _module().bf16_linear(x, self.packed, self.out_features, path or "auto")
 
 
 # ggml's numbers of the GGUF block types QuantLinear reads

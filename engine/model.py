@@ -9,8 +9,8 @@ so a layer is nine calls whatever the batch holds:
     gate_up matmul, silu_mul, down matmul (its output joins the residual in the next norm).
 
 The element-wise calls are fused C++ on CPU and torch ops elsewhere (engine/layer_ops.py).
-Matmuls: bf16 ones on CPUs with AVX512-BF16 run our C++ kernel (float32 results,
-cpu_kernels.Bf16Linear); the others go through oneDNN with pre-packed weights on CPU (see
+Matmuls: bf16 ones on CPUs with AVX512-BF16 or AMX run our C++ kernel (float32 results,
+cpu_kernels.Bf16Linear, on AMX tiles where the CPU has them); the others go through oneDNN with pre-packed weights on CPU (see
 _Linear). Given a GGUF's blocks (``quantized``), matmuls of few rows read those instead
 (cpu_kernels.QuantLinear: float32 arithmetic on the dequantized weights, a fraction of the bytes;
 see _BlockLinear). Large freed blocks are kept in the heap (see keep_freed_memory). All measured, not

@@ -302,28 +302,47 @@ def test_layer_ops_refuse_bad_input():
         ops.silu_mul(torch.randn(2, 7))
 
 
-@pytest.mark.skipif(not kernel.bf16_linear_supported(), reason="no kernel build with AVX512-BF16 here")
+BF16_PATHS = [pytest.param(path, marks=pytest.mark.skipif(
+    path not in kernel.bf16_linear_paths(), reason=f"no {path} path in this build or CPU"))
+    for path in ("amx", "avx512")]
+
+
+@pytest.mark.parametrize("path", BF16_PATHS)
 @pytest.mark.parametrize(("rows", "out_features", "in_features"),
-                         [(1, 40, 24), (7, 37, 11), (64, 300, 576)])
-def test_bf16_linear_is_a_bf16_matmul_with_float32_results(rows, out_features, in_features):
+                         [(1, 40, 24), (7, 37, 11), (64, 300, 576), (33, 70, 1536)])
+def test_bf16_linear_is_a_bf16_matmul_with_float32_results(path, rows, out_features,
+                                                           in_features):
     g = torch.Generator().manual_seed(4)
     weight = torch.randn(out_features, in_features, generator=g)
     x = torch.randn(rows, in_features, generator=g)
-    y = kernel.Bf16Linear(weight)(x)
+    y = kernel.Bf16Linear(weight)(x, path=path)
     assert y.dtype == torch.float32 and y.shape == (rows, out_features)
     # bf16 products are exact in float32: only the order of the float32 sum differs
     expected = x.bfloat16().double() @ weight.bfloat16().double().T
     torch.testing.assert_close(y.double(), expected, rtol=0, atol=1e-5 * in_features**0.5)
 
 
-@pytest.mark.skipif(not kernel.bf16_linear_supported(), reason="no kernel build with AVX512-BF16 here")
-def test_bf16_linear_rows_do_not_depend_on_the_batch():
+@pytest.mark.parametrize("path", BF16_PATHS)
+def test_bf16_linear_rows_do_not_depend_on_the_batch(path):
     g = torch.Generator().manual_seed(5)
     head = kernel.Bf16Linear(torch.randn(100, 64, generator=g))
-    x = torch.randn(70, 64, generator=g)
-    full = head(x)
-    for rows in (1, 2, 5, 6, 7, 13, 69):
-        assert torch.equal(head(x[:rows]), full[:rows])
+    x = torch.randn(257, 64, generator=g)
+    full = head(x, path=path)
+    for rows in (1, 2, 5, 6, 7, 13, 16, 17, 31, 32, 33, 69, 256):
+        assert torch.equal(head(x[:rows], path=path), full[:rows])
+        assert torch.equal(head(x[rows - 1:rows], path=path), full[rows - 1:rows])
+
+
+@pytest.mark.skipif(not kernel.bf16_linear_paths(), reason="no kernel build with AVX512-BF16 here")
+def test_bf16_linear_runs_the_fastest_path_by_default_and_names_the_others():
+    head = kernel.Bf16Linear(torch.randn(40, 64))
+    x = torch.randn(20, 64)
+    assert torch.equal(head(x), head(x, path=kernel.bf16_linear_paths()[0]))
+    with pytest.raises(RuntimeError, match="unknown bf16_linear path"):
+        head(x, path="avx2")
+    if "amx" not in kernel.bf16_linear_paths():
+        with pytest.raises(RuntimeError, match="no AMX path"):
+            head(x, path="amx")
 
 
 def gguf_blocks(qtype, out_features, in_features, seed):

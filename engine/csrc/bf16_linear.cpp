@@ -1,15 +1,22 @@
-// y = x @ W.T with bfloat16 inputs, float32 accumulation and a float32 result, on AVX512-BF16:
-// every matmul of a model whose matmuls run bf16.
+// y = x @ W.T with bfloat16 inputs, float32 accumulation and a float32 result, on AVX512-BF16
+// or AMX: every matmul of a model whose matmuls run bf16.
 //
-// Against oneDNN's bf16 matmul (measured on 2 Zen 4 cores, SmolLM2-135M's 120 decoder matmuls,
-// weights streaming from DRAM): 7.3 against 12.3 ms for one row, equal at 32 to 192 rows; its
-// result is float32, where oneDNN's is rounded to bf16 (logits 0.125 apart near 25 tie often);
-// and each output element is one fixed chain of vdpbf16ps over k, so it depends on its own row
-// of x and column of W only: batch-invariant by construction, at any row count.
+// Two paths, one packed weight. AVX512-BF16 (vdpbf16ps): against oneDNN's bf16 matmul (measured
+// on 2 Zen 4 cores, SmolLM2-135M's 120 decoder matmuls, weights streaming from DRAM): 7.3
+// against 12.3 ms for one row, equal at 32 to 192 rows. AMX (tdpbf16ps on 16x16 tiles), where
+// the CPU has it: on 2 Xeon cores with AMX, vdpbf16ps ran a layer's four matmuls at 192 rows in
+// 9.8 ms, slower than oneDNN's float32 GEMM (5.6 ms) and 5.6x oneDNN's AMX (1.8 ms). Either
+// path's result is float32, where oneDNN's is rounded to bf16 (logits 0.125 apart near 25 tie
+// often); and each output element is one fixed chain over k, so it depends on its own row of x
+// and column of W only: batch-invariant by construction, at any row count, on either path. The
+// two paths add each pair's two products in opposite orders (the instructions' definitions), so
+// their bits differ: a CPU runs one of them for every row count.
 //
 // Weights are packed once into panels of 16 output columns, k in pairs: [N/16][K/2][16][2], the
-// layout vdpbf16ps reads (each 32-bit lane holds one column's pair). A row of x is rounded to
-// bf16 pairs, each broadcast against a panel.
+// layout vdpbf16ps reads (each 32-bit lane holds one column's pair) and an AMX B tile is (16 k
+// pairs of a panel: 1 KB). Panels are padded to an even count and pairs to a multiple of 16
+// (whole tiles). vdpbf16ps broadcasts a row of x's bf16 pairs against two panels; AMX runs
+// 32 rows x 32 columns (2 A tiles, 2 B tiles, 4 accumulator tiles) per pass over k.
 #include "kernels.h"
 
 #include <ATen/Parallel.h>
@@ -17,28 +24,35 @@
 #if defined(__AVX512BF16__)
 #include <immintrin.h>
 #endif
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+#include <sys/syscall.h>
+#include <unistd.h>
+#define INHERENT_AMX 1
+#endif
 
 namespace {
 
 using namespace inherent;
 
-constexpr int64_t kPanel = 16;  // output columns per panel: one register of float32
+constexpr int64_t kPanel = 16;      // output columns per panel: one register of float32
+constexpr int64_t kTilePairs = 16;  // k pairs in an AMX tile row block (64-byte tile rows)
 
 #if defined(__AVX512BF16__)
 constexpr bool kSupported = true;
 
-// kRows rows of x (bf16 pairs, `pairs` per row) times panels p0, p0 + 1 into out[rows][columns].
+// kRows rows of x (bf16 pairs, `pairs` per row) times panels p0, p0 + 1 (`stride` pairs each)
+// into out[rows][columns].
 template <int kRows>
-void panel_pair(const uint32_t* x, int64_t pairs, const uint32_t* panels, int64_t p0,
-                int64_t num_panels, float* out, int64_t columns) {
-  const int64_t np = std::min<int64_t>(2, num_panels - p0);
+void panel_pair(const uint32_t* x, int64_t pairs, const uint32_t* panels, int64_t stride,
+                int64_t p0, float* out, int64_t columns) {
+  const int64_t np = std::min<int64_t>(2, (columns - p0 * kPanel + kPanel - 1) / kPanel);
   __m512 acc[kRows][2];
   for (int r = 0; r < kRows; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
-  const uint32_t* w0 = panels + p0 * pairs * kPanel;
-  const uint32_t* w1 = w0 + pairs * kPanel;
+  const uint32_t* w0 = panels + p0 * stride * kPanel;
+  const uint32_t* w1 = w0 + stride * kPanel;
   for (int64_t k = 0; k < pairs; ++k) {
     const __m512bh b0 = (__m512bh)_mm512_loadu_si512(w0 + k * kPanel);
-    const __m512bh b1 = np > 1 ? (__m512bh)_mm512_loadu_si512(w1 + k * kPanel) : b0;
+    const __m512bh b1 = (__m512bh)_mm512_loadu_si512(w1 + k * kPanel);  // panels: even
     for (int r = 0; r < kRows; ++r) {
       const __m512bh a = (__m512bh)_mm512_set1_epi32(static_cast<int>(x[r * pairs + k]));
       acc[r][0] = _mm512_dpbf16_ps(acc[r][0], a, b0);
@@ -57,44 +71,162 @@ void panel_pair(const uint32_t* x, int64_t pairs, const uint32_t* panels, int64_
 constexpr bool kSupported = false;
 #endif
 
+#if defined(INHERENT_AMX)
+// Linux hands a process the AMX tile state only once it asks (arch_prctl), once per process.
+bool amx_granted() {
+  constexpr int kArchReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
+  static const bool granted = syscall(SYS_arch_prctl, kArchReqXcompPerm, kXfeatureXtiledata) == 0;
+  return granted;
+}
+
+// Tiles 0-3 accumulate [kATiles * 16 rows] x [32 columns]; 4-5 hold x, 6-7 the two panels.
+struct alignas(64) TileConfig {
+  uint8_t palette = 1, start_row = 0, reserved[14] = {};
+  uint16_t bytes_per_row[16] = {};
+  uint8_t rows[16] = {};
+  TileConfig() {
+    for (int t = 0; t < 8; ++t) bytes_per_row[t] = 64, rows[t] = 16;
+  }
+};
+
+// kATiles * 16 rows of x (bf16, `ldx` elements a row, k padded to whole tiles) times panels
+// w0, w1 (their tiles 1 KB apart) over `k_tiles` tiles into c [kATiles * 16][32].
+template <int kATiles>
+void amx_block(const at::BFloat16* x, int64_t ldx, const uint32_t* w0, const uint32_t* w1,
+               int64_t k_tiles, float* c) {
+  _tile_zero(0);
+  _tile_zero(1);
+  if constexpr (kATiles == 2) {
+    _tile_zero(2);
+    _tile_zero(3);
+  }
+  const int64_t x_stride = ldx * sizeof(at::BFloat16);
+  for (int64_t t = 0; t < k_tiles; ++t) {
+    const int64_t k = t * 2 * kTilePairs;
+    _tile_loadd(6, w0 + t * kTilePairs * kPanel, 64);
+    _tile_loadd(7, w1 + t * kTilePairs * kPanel, 64);
+    _tile_loadd(4, x + k, x_stride);
+    _tile_dpbf16ps(0, 4, 6);
+    _tile_dpbf16ps(1, 4, 7);
+    if constexpr (kATiles == 2) {
+      _tile_loadd(5, x + 16 * ldx + k, x_stride);
+      _tile_dpbf16ps(2, 5, 6);
+      _tile_dpbf16ps(3, 5, 7);
+    }
+  }
+  constexpr int64_t kCStride = 2 * kPanel * sizeof(float);
+  _tile_stored(0, c, kCStride);
+  _tile_stored(1, c + kPanel, kCStride);
+  if constexpr (kATiles == 2) {
+    _tile_stored(2, c + 16 * 2 * kPanel, kCStride);
+    _tile_stored(3, c + 16 * 2 * kPanel + kPanel, kCStride);
+  }
+}
+
+// x [rows, k] (any float type) times the packed weight into out [rows, columns], on AMX.
+void amx_linear(const torch::Tensor& x, const uint32_t* wp, int64_t num_panels, int64_t stride,
+                float* op, int64_t columns) {
+  const int64_t rows = x.size(0), k = x.size(1);
+  const int64_t a_tiles = rows <= 16 ? 1 : 2, block_rows = 16 * a_tiles;
+  const int64_t padded_rows = (rows + block_rows - 1) / block_rows * block_rows;
+  const int64_t ldx = stride * 2, k_tiles = stride / kTilePairs;
+  // x as bf16, padded with zeros to whole row blocks and whole k tiles
+  auto xb = torch::zeros({padded_rows, ldx}, x.options().dtype(torch::kBFloat16));
+  xb.narrow(0, 0, rows).narrow(1, 0, k).copy_(x);
+  const at::BFloat16* xp = xb.data_ptr<at::BFloat16>();
+  const int64_t groups = num_panels / 2;
+  // A thread takes whole panel pairs; every row block passes over a pair while it is in L1.
+  const int64_t grain = std::max<int64_t>(1, 512 / padded_rows);
+  at::parallel_for(0, groups, grain, [&](int64_t begin, int64_t end) {
+    const TileConfig config;
+    _tile_loadconfig(&config);
+    alignas(64) float c[32 * 2 * kPanel];
+    for (int64_t g = begin; g < end; ++g) {
+      const uint32_t* w0 = wp + 2 * g * stride * kPanel;
+      const uint32_t* w1 = w0 + stride * kPanel;
+      const int64_t first = 2 * g * kPanel, width = std::min(2 * kPanel, columns - first);
+      for (int64_t r = 0; r < rows; r += block_rows) {
+        if (a_tiles == 1)
+          amx_block<1>(xp + r * ldx, ldx, w0, w1, k_tiles, c);
+        else
+          amx_block<2>(xp + r * ldx, ldx, w0, w1, k_tiles, c);
+        for (int64_t i = 0; i < std::min(block_rows, rows - r); ++i)
+          std::copy_n(c + i * 2 * kPanel, width, op + (r + i) * columns + first);
+      }
+    }
+    _tile_release();
+  });
+}
+#endif
+
+bool amx_available() {
+#if defined(INHERENT_AMX)
+  return amx_granted();
+#else
+  return false;
+#endif
+}
+
 }  // namespace
 
-bool bf16_linear_supported() { return kSupported; }
+bool bf16_linear_supported() { return kSupported || amx_available(); }
 
-// w: [N, K] float32 or bfloat16. Returns the packed weight, [ceil(N/16), ceil(K/2), 16, 2]
-// bfloat16 (zero padded).
+std::vector<std::string> bf16_linear_paths() {
+  std::vector<std::string> paths;
+  if (amx_available()) paths.emplace_back("amx");
+  if (kSupported) paths.emplace_back("avx512");
+  return paths;
+}
+
+// w: [N, K] float32 or bfloat16. Returns the packed weight, [panels, pairs, 16, 2] bfloat16 with
+// panels = ceil(N/16) rounded up to even and pairs = ceil(K/2) up to a multiple of 16 (zeros).
 torch::Tensor pack_bf16_weight(torch::Tensor w) {
   TORCH_CHECK(w.dim() == 2 && w.device().is_cpu(), "weight must be a 2-D CPU tensor");
   const int64_t n = w.size(0), k = w.size(1);
-  const int64_t panels = (n + kPanel - 1) / kPanel, pairs = (k + 1) / 2;
+  const int64_t panels = (n + 2 * kPanel - 1) / (2 * kPanel) * 2;
+  const int64_t pairs = ((k + 1) / 2 + kTilePairs - 1) / kTilePairs * kTilePairs;
   auto padded = torch::zeros({panels * kPanel, pairs * 2}, w.options().dtype(torch::kBFloat16));
   padded.narrow(0, 0, n).narrow(1, 0, k).copy_(w);  // rounds to nearest even, as .to() does
   // [panels, 16, pairs, 2] -> [panels, pairs, 16, 2]
   return padded.view({panels, kPanel, pairs, 2}).transpose(1, 2).contiguous();
 }
 
-// x: [M, K] float32 or bfloat16, rows contiguous; packed from pack_bf16_weight; columns: N.
-// Returns [M, N] float32.
-torch::Tensor bf16_linear(torch::Tensor x, torch::Tensor packed, int64_t columns) {
-  TORCH_CHECK(kSupported, "bf16_linear needs a CPU with AVX512-BF16");
+// x: [M, K] float32 or bfloat16, rows contiguous; packed from pack_bf16_weight; columns: N;
+// path: "auto" (AMX where granted, else AVX512-BF16), "amx" or "avx512". Returns [M, N] float32.
+torch::Tensor bf16_linear(torch::Tensor x, torch::Tensor packed, int64_t columns,
+                          const std::string& path) {
   TORCH_CHECK((x.scalar_type() == torch::kFloat32 || x.scalar_type() == torch::kBFloat16) &&
               x.dim() == 2 && x.stride(1) == 1 && x.device().is_cpu(),
               "x must be a 2-D float32 or bfloat16 CPU tensor with contiguous rows");
   TORCH_CHECK(packed.scalar_type() == torch::kBFloat16 && packed.dim() == 4 &&
-              packed.is_contiguous() && packed.size(2) == kPanel && packed.size(3) == 2,
+              packed.is_contiguous() && packed.size(2) == kPanel && packed.size(3) == 2 &&
+              packed.size(0) % 2 == 0 && packed.size(1) % kTilePairs == 0,
               "packed must come from pack_bf16_weight");
   const int64_t rows = x.size(0), k = x.size(1), num_panels = packed.size(0),
-                pairs = packed.size(1);
-  TORCH_CHECK((k + 1) / 2 == pairs && columns <= num_panels * kPanel &&
-              columns > (num_panels - 1) * kPanel, "x or columns do not match the packed weight");
+                stride = packed.size(1), pairs = (k + 1) / 2;
+  TORCH_CHECK(stride == (pairs + kTilePairs - 1) / kTilePairs * kTilePairs &&
+              columns <= num_panels * kPanel && columns > (num_panels - 2) * kPanel,
+              "x or columns do not match the packed weight");
+  const bool amx = path == "amx" || (path == "auto" && amx_available());
+  TORCH_CHECK(path == "auto" || path == "amx" || path == "avx512",
+              "unknown bf16_linear path '", path, "' (auto, amx, avx512)");
+  TORCH_CHECK(amx ? amx_available() : kSupported, "bf16_linear: this CPU or build has no ",
+              amx ? "AMX" : "AVX512-BF16", " path");
   auto out = torch::empty({rows, columns}, x.options().dtype(torch::kFloat32));
+  if (rows == 0) return out;
+  const uint32_t* wp = reinterpret_cast<const uint32_t*>(packed.data_ptr<at::BFloat16>());
+  float* op = out.data_ptr<float>();
+#if defined(INHERENT_AMX)
+  if (amx) {
+    amx_linear(x, wp, num_panels, stride, op, columns);
+    return out;
+  }
+#endif
 #if defined(__AVX512BF16__)
   // x as bf16 pairs: one conversion (none when it already is that), an odd k padded with zero.
   torch::Tensor xb = x.to(torch::kBFloat16).contiguous();
   if (k % 2 != 0) xb = torch::constant_pad_nd(xb, {0, 1});
   const uint32_t* xp = reinterpret_cast<const uint32_t*>(xb.data_ptr<at::BFloat16>());
-  const uint32_t* wp = reinterpret_cast<const uint32_t*>(packed.data_ptr<at::BFloat16>());
-  float* op = out.data_ptr<float>();
   constexpr int64_t kRowBlock = 6;  // 6 rows x 2 panels: 12 accumulators
   // Threads split panel pairs; every thread runs all rows over its panels (the panel stays
   // in L1 while the rows, a few hundred KB of bf16, stream from L2).
@@ -103,10 +235,10 @@ torch::Tensor bf16_linear(torch::Tensor x, torch::Tensor packed, int64_t columns
                          int64_t);
   constexpr Block by_rows[kRowBlock + 1] = {nullptr, panel_pair<1>, panel_pair<2>, panel_pair<3>,
                                             panel_pair<4>, panel_pair<5>, panel_pair<6>};
-  at::parallel_for(0, (num_panels + 1) / 2, 16, [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, num_panels / 2, 16, [&](int64_t begin, int64_t end) {
     for (int64_t pp = begin; pp < end; ++pp)
       for (int64_t r = 0; r < rows; r += kRowBlock)
-        by_rows[std::min(kRowBlock, rows - r)](xp + r * pairs, pairs, wp, 2 * pp, num_panels,
+        by_rows[std::min(kRowBlock, rows - r)](xp + r * pairs, pairs, wp, stride, 2 * pp,
                                                op + r * columns, columns);
   });
 #endif

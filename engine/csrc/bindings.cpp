@@ -32,7 +32,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("quant_linear", &quant_linear, without_gil, "x @ W.T, W as GGUF blocks (Q4_1, Q8_0); float32 arithmetic",
         py::arg("x"), py::arg("blocks"), py::arg("qtype"), py::arg("path"));
   m.attr("bf16_linear_supported") = bf16_linear_supported();
+  m.def("bf16_linear_paths", &bf16_linear_paths, "bf16_linear's paths this build and CPU run, fastest first");
   m.def("pack_bf16_weight", &pack_bf16_weight, without_gil, "pack [N, K] for bf16_linear", py::arg("weight"));
   m.def("bf16_linear", &bf16_linear, without_gil, "x @ W.T: bf16 inputs, float32 accumulation and result",
-        py::arg("x"), py::arg("packed"), py::arg("columns"));
+        py::arg("x"), py::arg("packed"), py::arg("columns"), py::arg("path"));
 }

@@ -89,5 +89,7 @@ torch::Tensor quant_linear(torch::Tensor x, torch::Tensor blocks, int64_t qtype,
                            const std::string& path);
 
 bool bf16_linear_supported();
+std::vector<std::string> bf16_linear_paths();
 torch::Tensor pack_bf16_weight(torch::Tensor w);
-torch::Tensor bf16_linear(torch::Tensor x, torch::Tensor packed, int64_t columns);
+torch::Tensor bf16_linear(torch::Tensor x, torch::Tensor packed, int64_t columns,
+                          const std::string& path);
