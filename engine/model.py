@@ -279,9 +279,11 @@ class _Linear:
 
 # Most rows a matmul runs on the GGUF blocks before the dense kernel takes over: reading 0.6-1
 # byte a weight wins while the weights' bytes dominate, the blocks' float32 FMAs lose once
-# arithmetic does -- from 4 rows against bf16 dot products (our kernel, AVX512-BF16), from 16-32
-# rows against oneDNN's float32 GEMM (measured on 2 Zen 3 cores, a layer's four matmuls: blocks
-# 1.9 against 2.4 ms at 16 rows, 3.5 against 3.4 at 32; bench/model_step.py measures both).
+# arithmetic does -- from 4 rows against our bf16 kernel (a bundled-model decode step on 2 Xeon
+# cores with AMX, blocks against the kernel: 11.5 against 17 ms at 1 row, 14.6 against 20 at 4),
+# from 16-32 rows against oneDNN's float32 GEMM (measured on 2 Zen 3 cores, a layer's four
+# matmuls: blocks 1.9 against 2.4 ms at 16 rows, 3.5 against 3.4 at 32; bench/model_step.py
+# measures both).
 BLOCK_MAX_ROWS = {"bf16 kernel": 4, "oneDNN": 16}
 
 
