@@ -19,6 +19,7 @@ from engine_fixtures import (  # noqa: F401 (fixtures)
 
 from engine import EngineConfig, LLMEngine, SamplingParams
 from engine.batch_invariant import PROBE_ROWS, make_linears_invariant
+from engine.cpu_kernels import bf16_linear_supported
 from engine.model import LlamaModel, _Linear, default_kv_cache_dtype, default_matmul_dtype
 from engine.model_runner import ModelRunner
 
@@ -48,11 +49,15 @@ class Runs:
     def __init__(self, checkpoint, batch_invariant: bool):
         self.checkpoint = checkpoint
         # as the engine builds it: bf16 matmuls where the CPU has native bf16, the GGUF's
-        # blocks read directly by matmuls of few rows (by every matmul in the mode)
+        # blocks read directly by matmuls of few rows; in the mode every row of a matmul runs
+        # on one kernel, the bf16 one where the CPU has it, else the blocks
         self.model = LlamaModel(checkpoint.config, checkpoint.weights,
                                 matmul_dtype=default_matmul_dtype(torch.float32),
                                 batch_invariant=batch_invariant,
                                 quantized=checkpoint.quantized)
+        if batch_invariant:
+            one_kernel = "bfloat16" if bf16_linear_supported() else "gguf Q4_1+Q8_0 blocks"
+            assert self.model.weights_format == one_kernel
         self.kv_cache = self.model.allocate_kv_cache(
             self.NUM_BLOCKS, 16, default_kv_cache_dtype(None, torch.float32))
         self.batch_invariant = batch_invariant
