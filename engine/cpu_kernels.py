@@ -7,11 +7,11 @@
   AVX512-BF16);
 * :class:`QuantLinear`, a float32 matmul reading its weight as GGUF blocks (quant_linear.cpp).
 
-Implementations: each kernel above (but the bf16 matmul, AVX512-BF16 only) has a portable path
-and, where this CPU has the instructions, AVX2 and AVX-512 paths computing the same bits
-(engine/csrc/simd.h). The widest available runs unless ``INHERENT_CPU_PATH`` (``avx512``,
-``avx2``, ``portable``) or a call's ``path`` argument names one; naming one this CPU lacks is an
-error.
+Implementations: each kernel above (but the bf16 matmul, AMX or AVX512-BF16 only: see
+:class:`Bf16Linear`) has a portable path and, where this CPU has the instructions, AVX2 and
+AVX-512 paths computing the same bits (engine/csrc/simd.h). The widest available runs unless
+``INHERENT_CPU_PATH`` (``avx512``, ``avx2``, ``portable``) or a call's ``path`` argument names
+one; naming one this CPU lacks is an error.
 
 Compiled on first use with the system C++ compiler through torch's extension loader and cached
 under ``TORCH_EXTENSIONS_DIR`` (default ``~/.cache/torch_extensions``): about a minute once per
