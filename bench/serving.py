@@ -305,8 +305,9 @@ def main() -> None:
         if with_vllm:
             targets["vllm"] = Target("vllm", servers.enter_context(
                 vllm_server(data_dir / "vllm.log")).base_url, "smollm2", {})
-        # Unmeasured warm-up under the same load: vLLM's first round on a fresh server ran at
-        # 76 against 194 out tok/s in its second (Xeon with AMX: kernels built per shape).
+        # Unmeasured warm-up under the same load, so neither server's start-up costs land in a
+        # round. (On the Xeon kind vLLM's first measured round stayed slow even after it: 68.5
+        # against 171.3 out tok/s in its second; the host itself moves runs by 2x there.)
         if args.warmup > 0:
             for name in order:
                 print(f"warm-up: {name} for {args.warmup:.0f} s", flush=True)

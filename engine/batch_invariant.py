@@ -10,8 +10,9 @@ every op that reduces over something gets an order fixed by the token alone:
 * linear layers: the bf16 matmul kernel (engine/csrc/bf16_linear.cpp, CPUs with AVX512-BF16
   or AMX; a GGUF's too, in place of its blocks) computes each output as one fixed chain,
   row-invariant by construction; so do a GGUF's blocks (engine/csrc/quant_linear.cpp), which
-  take every row of a float32 model's matmuls elsewhere. Where oneDNN runs them instead, it uses a matrix-vector kernel for one row and a matrix-matrix kernel for
-  more, with different reduction orders; from two rows up its kernels are row-invariant for the
+  take every row of a float32 model's matmuls elsewhere. Where oneDNN runs them instead, it
+  uses a matrix-vector kernel for one row and a matrix-matrix kernel for more, with different
+  reduction orders; from two rows up its kernels are row-invariant for the
   shapes we probe. So a linear never sees fewer than two rows (a lone row gets a zero companion),
   and :func:`make_linears_invariant` proves the property for each weight shape at start-up over
   row counts from 2 to 257 -- where it fails (another backend, another CPU), that shape falls
