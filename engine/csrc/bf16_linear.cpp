@@ -7,7 +7,7 @@
 // the CPU has it: on 2 Xeon cores with AMX, vdpbf16ps ran a layer's four matmuls at 192 rows in
 // 9.8 ms, slower than oneDNN's float32 GEMM (5.6 ms) and 5.6x oneDNN's AMX (1.8 ms); this path
 // 0.26 against vdpbf16ps' 1.36 ms at 32 rows, 0.8-2.2 against 5.3-8.7 at 128-192 (a noisy
-// host; oneDNN's AMX 0.36 and 1.1-2.1). Either
+// host; oneDNN's AMX 0.36 and 1.5-2.1). Either
 // path's result is float32, where oneDNN's is rounded to bf16 (logits 0.125 apart near 25 tie
 // often); and each output element is one fixed chain over k, so it depends on its own row of x
 // and column of W only: batch-invariant by construction, at any row count, on either path. The
