@@ -10,8 +10,8 @@ so a layer is nine calls whatever the batch holds:
 
 The element-wise calls are fused C++ on CPU and torch ops elsewhere (engine/layer_ops.py).
 Matmuls: bf16 ones on CPUs with AVX512-BF16 or AMX run our C++ kernel (float32 results,
-cpu_kernels.Bf16Linear, on AMX tiles where the CPU has them); the others go through oneDNN with pre-packed weights on CPU (see
-_Linear). Given a GGUF's blocks (``quantized``), matmuls of few rows read those instead
+cpu_kernels.Bf16Linear, on AMX tiles where the CPU has them); the others go through oneDNN with
+pre-packed weights on CPU (see _Linear). Given a GGUF's blocks (``quantized``), matmuls of few rows read those instead
 (cpu_kernels.QuantLinear: float32 arithmetic on the dequantized weights, a fraction of the bytes;
 see _BlockLinear). Large freed blocks are kept in the heap (see keep_freed_memory). All measured, not
 guessed: bench/model_step.py and the kernels' comments.
@@ -381,8 +381,8 @@ class LlamaModel:
             head_bytes = head.numel() * head.element_size()
         # GGUF blocks where given, on CPU with the kernels, in a float32 model. Batch-invariant
         # mode runs every row of a matmul on one row-invariant kernel: the bf16 one where the CPU
-        # has it (on 2 Xeon cores with AMX it ran a 192-token chunk's matmuls ~10x faster than
-        # the blocks' float32 FMAs), else the blocks.
+        # has it (on 2 Xeon cores with AMX a layer's four matmuls at 256 rows: 1.8 against the
+        # blocks' 13.6 ms, bench/model_step.py --crossover-only), else the blocks.
         block_max_rows = BLOCK_MAX_ROWS["bf16 kernel" if bf16_kernel else "oneDNN"]
         use_blocks = self._kernels and dtype == torch.float32 and not (batch_invariant
                                                                        and bf16_kernel)

@@ -210,9 +210,9 @@ torch::Tensor bf16_linear(torch::Tensor x, torch::Tensor packed, int64_t columns
   TORCH_CHECK(stride == (pairs + kTilePairs - 1) / kTilePairs * kTilePairs &&
               columns <= num_panels * kPanel && columns > (num_panels - 2) * kPanel,
               "x or columns do not match the packed weight");
-  const bool amx = path == "amx" || (path == "auto" && amx_available());
   TORCH_CHECK(path == "auto" || path == "amx" || path == "avx512",
               "unknown bf16_linear path '", path, "' (auto, amx, avx512)");
+  const bool amx = path == "amx" || (path == "auto" && amx_available());
   TORCH_CHECK(amx ? amx_available() : kSupported, "bf16_linear: this CPU or build has no ",
               amx ? "AMX" : "AVX512-BF16", " path");
   auto out = torch::empty({rows, columns}, x.options().dtype(torch::kFloat32));

@@ -133,7 +133,6 @@ struct FromBlocks {
 };
 
 struct FromPanel {
-  static constexpr int64_t kStride = kBlock;
   static constexpr bool kWhole = false;
   using T = float;
 };
