@@ -162,18 +162,17 @@ def visible_chunks(
     path, and only copied out."""
     if not chunk_ids:
         return []
-    rows = session.execute(_VISIBLE_CHUNKS, {"tenant": tenant_id, "ids": chunk_ids, "epoch": epoch})
-    return [(row, row.version_title) for row in rows]
+    rows = session.execute(_VISIBLE_CHUNKS, {"ids": chunk_ids, "epoch": epoch})
+    return [(row, row.version_title) for row in rows if row.tenant_id == tenant_id]
 
 
+# The tenant is checked on the rows, not in SQL: given a constant tenant, SQLite's planner
+# walked every visible version (or chunk) of the tenant, a cost that grew with its corpus
+# (0.56 ms at 300 documents); by the chunk ids it looks up only the hits (0.10 ms).
 _VISIBLE_CHUNKS = (
     select(*Chunk.__table__.columns, SourceVersion.title.label("version_title"))
     .join(SourceVersion, CHUNK_VERSION)
-    .where(
-        Chunk.tenant_id == bindparam("tenant"),
-        Chunk.id.in_(bindparam("ids", expanding=True)),
-        visible_at(bindparam("epoch")),
-    )
+    .where(Chunk.id.in_(bindparam("ids", expanding=True)), visible_at(bindparam("epoch")))
 )
 
 

@@ -306,6 +306,12 @@ class EdgeIndex(_QdrantIndex):
             optimizers=qe.EdgeOptimizersConfig(indexing_threshold=1_000),
             payload_memory=qe.Memory.Cached,
         )
+        # Every write through this handle (the process's only one, and no other process opens
+        # the shard) moves the generation, odd while it applies: a tenant's latest close is
+        # scrolled for once per generation, not twice per search (0.7 ms of every query).
+        self._generation = 0
+        self._write_lock = Lock()
+        self._latest_closes: dict[str, tuple[int, int]] = {}  # tenant: (generation, close)
         stored = self.path / "edge_config.json"
         if stored.exists():
             # An existing shard keeps the layout it was created with; only the size must match.
@@ -320,7 +326,7 @@ class EdgeIndex(_QdrantIndex):
             self.path.mkdir(parents=True, exist_ok=True)
             self._shard = qe.EdgeShard.create(str(self.path), config)
             for field_name, schema in self._payload_indexes().items():
-                self._shard.update(qe.UpdateOperation.create_field_index(field_name, schema))
+                self._update(qe.UpdateOperation.create_field_index(field_name, schema))
 
     def _payload_indexes(self) -> dict[str, Any]:
         qe = self._api
@@ -340,10 +346,10 @@ class EdgeIndex(_QdrantIndex):
                 qe.Point(_point_uuid(p.chunk_id), _as_list(p.vector, self.dim), p.payload())
                 for p in points[start : start + SCAN_PAGE]
             ]
-            self._shard.update(qe.UpdateOperation.upsert_points(batch))
+            self._update(qe.UpdateOperation.upsert_points(batch))
 
     def close_version(self, tenant_id: str, source_id: str, version: int, valid_to: int) -> None:
-        self._shard.update(
+        self._update(
             self._api.UpdateOperation.set_payload_by_filter(
                 self._version_filter(tenant_id, source_id, version),
                 {"valid_to": valid_to, "live": tenant_id if valid_to == OPEN_EPOCH else ""},
@@ -352,14 +358,22 @@ class EdgeIndex(_QdrantIndex):
 
     def set_payloads(self, points: Sequence[IndexPoint]) -> None:
         for p in points:
-            self._shard.update(
+            self._update(
                 self._api.UpdateOperation.overwrite_payload([_point_uuid(p.chunk_id)], p.payload())
             )
 
     def delete(self, chunk_ids: Sequence[str]) -> None:
         if chunk_ids:
             ids = [_point_uuid(c) for c in chunk_ids]
-            self._shard.update(self._api.UpdateOperation.delete_points(ids))
+            self._update(self._api.UpdateOperation.delete_points(ids))
+
+    def _update(self, operation: Any) -> None:
+        with self._write_lock:
+            self._generation += 1
+            try:
+                self._shard.update(operation)
+            finally:
+                self._generation += 1
 
     def _query(
         self, vector: np.ndarray, tenant_id: str, snapshot_epoch: int | None, limit: int
@@ -377,6 +391,18 @@ class EdgeIndex(_QdrantIndex):
         return [_hit(p.id, p.score, p.payload) for p in found]
 
     def _latest_close(self, tenant_id: str) -> int:
+        """As scrolled at this generation. A search that reads it before and after its query
+        and finds the generation unmoved saw no write beside it, as a second scroll would."""
+        generation = self._generation
+        known = self._latest_closes.get(tenant_id)
+        if known is not None and known[0] == generation:
+            return known[1]
+        close = self._scroll_latest_close(tenant_id)
+        if generation % 2 == 0 and self._generation == generation:
+            self._latest_closes[tenant_id] = (generation, close)
+        return close
+
+    def _scroll_latest_close(self, tenant_id: str) -> int:
         qe = self._api
         records, _ = self._shard.scroll(
             qe.ScrollRequest(

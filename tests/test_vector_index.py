@@ -119,6 +119,39 @@ def test_live_fast_path_and_range_path_agree(index, monkeypatch):
         assert [h.chunk_id for h in fast] == [h.chunk_id for h in slow]
 
 
+def test_a_close_after_a_search_is_seen_by_the_next_search(index):
+    """The latest close is remembered between searches (EdgeIndex): a close must move it."""
+    rng = np.random.default_rng(5)
+    points = [point("s", 1, i, 1, vector=rng.standard_normal(DIM)) for i in range(3)]
+    index.upsert(points)
+    query = rng.standard_normal(DIM).astype(np.float32)
+    assert len(index.search("t", query, 1, 10)) == 3
+    index.close_version("t", "s", 1, 2)  # visible at 1, no longer live
+    assert len(index.search("t", query, 1, 10)) == 3
+    assert index.search("t", query, 2, 10) == []
+
+
+def test_a_close_applied_during_a_search_sends_it_down_the_range_path(tmp_path, monkeypatch):
+    """A close that lands while the live set is queried hides points visible at the snapshot
+    from that query; the search must notice and answer from the range filter."""
+    index = make_index("edge", tmp_path)
+    rng = np.random.default_rng(6)
+    points = [point("s", 1, i, 1, vector=rng.standard_normal(DIM)) for i in range(3)]
+    index.upsert(points)
+    query = rng.standard_normal(DIM).astype(np.float32)
+    assert len(index.search("t", query, 1, 10)) == 3  # the latest close (none) is remembered
+    live_query = EdgeIndex._query
+
+    def close_meanwhile(self, vector, tenant_id, snapshot_epoch, limit):
+        if snapshot_epoch is None:  # the live fast path: a writer closes the version now
+            index.close_version("t", "s", 1, 2)
+        return live_query(self, vector, tenant_id, snapshot_epoch, limit)
+
+    monkeypatch.setattr(EdgeIndex, "_query", close_meanwhile)
+    assert len(index.search("t", query, 1, 10)) == 3
+    index.close()
+
+
 def test_ties_are_broken_by_chunk_hash_even_across_the_limit(index):
     same = np.ones(DIM, dtype=np.float32)
     hashes = [f"{i:064x}" for i in range(20)]
