@@ -19,7 +19,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from sqlalchemy import bindparam, insert, select, union_all, update
+from sqlalchemy import Connection, bindparam, insert, select, union_all, update
 from sqlalchemy.orm import Session
 
 from provenance import merkle
@@ -104,13 +104,13 @@ def append_version_events(
 
 
 def append_leaf(
-    session: Session, kind: str, ref: str, tenant_id: str, payload: dict[str, Any]
+    session: Session | Connection, kind: str, ref: str, tenant_id: str, payload: dict[str, Any]
 ) -> int:
     """Append one leaf to the tenant's log inside the caller's transaction; return its index."""
     return append_leaves(session, tenant_id, [LeafEntry(kind, ref, payload)])[0]
 
 
-def append_receipt(session: Session, receipt: Receipt) -> int:
+def append_receipt(session: Session | Connection, receipt: Receipt) -> int:
     return append_leaf(
         session, "receipt", receipt.id, receipt.tenant_id, receipt_leaf_payload(receipt)
     )
@@ -130,7 +130,7 @@ _SET_FRONTIER = (
 _INSERT_LEAVES, _INSERT_NODES = insert(_LEAF), insert(_NODE)
 
 
-def _lock_head(session: Session, tenant_id: str, advance: int) -> tuple[int, list[str]]:
+def _lock_head(session: Session | Connection, tenant_id: str, advance: int) -> tuple[int, list[str]]:
     """Take the tenant's head row lock until the transaction ends, reserve ``advance`` leaf
     indexes, and return the size before them and the frontier at that size.
 
@@ -160,7 +160,7 @@ def _leaf_row(tenant_id: str, seq: int, entry: LeafEntry) -> dict[str, Any]:
     }
 
 
-def append_leaves(session: Session, tenant_id: str, entries: Sequence[LeafEntry]) -> list[int]:
+def append_leaves(session: Session | Connection, tenant_id: str, entries: Sequence[LeafEntry]) -> list[int]:
     """Append leaves to the tenant's log in the caller's transaction; return their indexes.
 
     Writes each leaf, the subtree hashes it completes (amortized one per leaf, at most log2 n)

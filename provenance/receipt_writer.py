@@ -26,7 +26,9 @@ from collections.abc import Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 
-from provenance.db import is_transient, session_scope
+from sqlalchemy import bindparam, select
+
+from provenance.db import is_transient, write_transaction
 from provenance.models import Receipt
 from provenance.receipts import ReceiptRecord, write_receipt
 
@@ -48,10 +50,10 @@ def commit_receipts(url: str, records: Sequence[ReceiptRecord], deadline: float)
     while True:
         attempt += 1
         try:
-            with session_scope(url, write=True) as session:
+            with write_transaction(url) as connection:
                 for record in records:
-                    if attempt == 1 or session.get(Receipt, record.receipt_id) is None:
-                        write_receipt(session, record)
+                    if attempt == 1 or connection.scalar(_FIND_RECEIPT, {"id": record.receipt_id}) is None:
+                        write_receipt(connection, record)
             return attempt
         except Exception as error:
             if not is_transient(error):
@@ -65,6 +67,9 @@ def commit_receipts(url: str, records: Sequence[ReceiptRecord], deadline: float)
                 ) from error
         time.sleep(delay)
         delay = min(delay * 2, MAX_BACKOFF_S)
+
+
+_FIND_RECEIPT = select(Receipt.id).where(Receipt.id == bindparam("id"))
 
 
 @dataclass(slots=True)

@@ -11,7 +11,7 @@ from enum import StrEnum
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
-from sqlalchemy import and_, insert, or_, select
+from sqlalchemy import Connection, and_, insert, or_, select
 from sqlalchemy.orm import Session
 
 from provenance import audit_log
@@ -176,7 +176,7 @@ class ReceiptBody(BaseModel):
         }
 
 
-def write_receipt(session: Session, record: ReceiptRecord) -> Receipt:
+def write_receipt(session: Session | Connection, record: ReceiptRecord) -> Receipt:
     """Insert the receipt and append its leaf to the audit log, in the caller's transaction.
 
     Core inserts, not the ORM's unit of work: on every answer's path, its bookkeeping cost more
