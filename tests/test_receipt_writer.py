@@ -2,6 +2,7 @@
 starts share its transaction, each is answered only once committed, and one that cannot be
 written fails alone."""
 
+import asyncio
 import threading
 
 import pytest
@@ -107,3 +108,37 @@ def test_close_waits_for_every_pending_receipt(url):
     writer.close()
     assert all(f.done() and f.exception() is None for f in futures)
     assert stored(url) == ({r.receipt_id for r in records}, 40)
+
+
+def test_write_returns_once_committed_and_raises_when_not(url, monkeypatch):
+    writer = ReceiptWriter(url, timeout_s=10)
+    written = record()
+    asyncio.run(writer.write(written))
+    assert written.receipt_id in stored(url)[0]
+
+    def refuse(url, records, deadline):
+        raise ReceiptNotCommitted("refused")
+
+    monkeypatch.setattr(receipt_writer, "commit_receipts", refuse)
+    with pytest.raises(ReceiptNotCommitted, match="refused"):
+        asyncio.run(writer.write(record()))
+    writer.close()
+
+
+def test_a_cancelled_request_still_writes_its_receipt(url, held_transactions):
+    _, hold, release = held_transactions
+    writer = ReceiptWriter(url, timeout_s=10)
+    hold(writer)
+    late = record()
+
+    async def cancel_while_writing():
+        task = asyncio.create_task(writer.write(late))
+        await asyncio.sleep(0.05)  # queued behind the held commit
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+
+    asyncio.run(cancel_while_writing())  # the loop is gone before the commit settles
+    release.set()
+    writer.close()
+    assert late.receipt_id in stored(url)[0]
