@@ -18,7 +18,6 @@ the caller fails closed: no answer is reported complete without its receipt.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import queue
 import threading
@@ -107,20 +106,8 @@ class ReceiptWriter:
 
     async def write(self, record: ReceiptRecord) -> None:
         """Commit the receipt without blocking the loop; ReceiptNotCommitted when it cannot be.
-        A request cancelled while its receipt is being written still writes it.
-
-        The committer settles a loop future of its own: one loop wake-up, where
-        ``shield(wrap_future(...))`` took three, each behind every stream's ready callbacks
-        when the loop is busy."""
-        loop = asyncio.get_running_loop()
-        settled = loop.create_future()
-
-        def settle(committed: Future[int]) -> None:
-            with contextlib.suppress(RuntimeError):  # the loop has closed: nobody is waiting
-                loop.call_soon_threadsafe(_copy_outcome, committed, settled)
-
-        self.submit(record).add_done_callback(settle)
-        await settled
+        Shielded: a request cancelled while its receipt is being written still writes it."""
+        await asyncio.shield(asyncio.wrap_future(self.submit(record)))
 
     def close(self) -> None:
         with self._starting:
@@ -169,15 +156,6 @@ def _unreachable(error: ReceiptNotCommitted) -> bool:
     """Whether the commit failed because the database stayed unreachable past the deadline (then
     every receipt of the group fails alike, and trying each alone would only wait again)."""
     return error.__cause__ is not None and is_transient(error.__cause__)
-
-
-def _copy_outcome(committed: Future[int], settled: asyncio.Future[int]) -> None:
-    if settled.cancelled():  # its request was cancelled; the commit went on regardless
-        return
-    if (error := committed.exception()) is not None:
-        settled.set_exception(error)
-    else:
-        settled.set_result(committed.result())
 
 
 def _log_failure(future: Future[int]) -> None:
