@@ -3,10 +3,10 @@ template, receipt with its audit leaf) against the same prompts sent to the engi
 
 Each prompt runs both ways, alternating, on the embedded default with the bundled model. From the
 response's Server-Timing header: the provenance overhead is the retrieval without the query
-embedding (vector search, visibility check, fitting the context budget) plus the receipt write;
-everything the API adds is its latency minus its own engine time and query embedding (the
-embedding is model work, reported on its own). The same prompt run straight into the engine
-gives the baseline ratio. Last line: one JSON object.
+embedding (resolving the snapshot, vector search, visibility check, fitting the context budget)
+plus the receipt write; everything the API adds is its latency minus its own engine time and
+query embedding (the embedding is model work, reported on its own). The same prompt run
+straight into the engine gives the baseline ratio. Last line: one JSON object.
 
 Then, on a fresh embedded store, receipts are committed every 20 ms (through the API's
 receipt writer) while an in-process ingestion of ``--ingest-docs`` (2,000) articles runs: their

@@ -145,6 +145,7 @@ class Services:
         chunks: list[memory.RetrievedChunk] = []
         timings = Timings()
         if use_retrieval:
+            start = time.perf_counter()  # resolving the snapshot is retrieval's work too
             current = current_epoch(session, tenant_id)
             if snapshot is None:
                 snapshot = current
@@ -153,9 +154,9 @@ class Services:
                     f"snapshot {snapshot} does not exist yet; the current epoch is {current}"
                 )
             query = memory.retrieval_query(messages)
-            start = time.perf_counter()
+            embed_start = time.perf_counter()
             vector = self.embed_query(query)
-            timings.embed = time.perf_counter() - start
+            timings.embed = time.perf_counter() - embed_start
             retrieval = memory.retrieve(
                 session,
                 self.embedder,
