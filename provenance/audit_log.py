@@ -130,7 +130,9 @@ _SET_FRONTIER = (
 _INSERT_LEAVES, _INSERT_NODES = insert(_LEAF), insert(_NODE)
 
 
-def _lock_head(session: Session | Connection, tenant_id: str, advance: int) -> tuple[int, list[str]]:
+def _lock_head(
+    session: Session | Connection, tenant_id: str, advance: int
+) -> tuple[int, list[str]]:
     """Take the tenant's head row lock until the transaction ends, reserve ``advance`` leaf
     indexes, and return the size before them and the frontier at that size.
 
@@ -160,7 +162,9 @@ def _leaf_row(tenant_id: str, seq: int, entry: LeafEntry) -> dict[str, Any]:
     }
 
 
-def append_leaves(session: Session | Connection, tenant_id: str, entries: Sequence[LeafEntry]) -> list[int]:
+def append_leaves(
+    session: Session | Connection, tenant_id: str, entries: Sequence[LeafEntry]
+) -> list[int]:
     """Append leaves to the tenant's log in the caller's transaction; return their indexes.
 
     Writes each leaf, the subtree hashes it completes (amortized one per leaf, at most log2 n)

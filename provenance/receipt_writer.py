@@ -52,7 +52,8 @@ def commit_receipts(url: str, records: Sequence[ReceiptRecord], deadline: float)
         try:
             with write_transaction(url) as connection:
                 for record in records:
-                    if attempt == 1 or connection.scalar(_FIND_RECEIPT, {"id": record.receipt_id}) is None:
+                    found = attempt > 1 and connection.scalar(_FIND, {"id": record.receipt_id})
+                    if not found:
                         write_receipt(connection, record)
             return attempt
         except Exception as error:
@@ -69,7 +70,8 @@ def commit_receipts(url: str, records: Sequence[ReceiptRecord], deadline: float)
         delay = min(delay * 2, MAX_BACKOFF_S)
 
 
-_FIND_RECEIPT = select(Receipt.id).where(Receipt.id == bindparam("id"))
+# A retry's lookup: an attempt whose answer was lost with its connection may have committed.
+_FIND = select(Receipt.id).where(Receipt.id == bindparam("id"))
 
 
 @dataclass(slots=True)
