@@ -238,6 +238,18 @@ def test_concurrent_writers_get_distinct_consecutive_epochs_on_postgresql(pg_url
         assert s.scalars(select(Epoch.epoch).order_by(Epoch.epoch)).all() == list(range(1, 9))
 
 
+def test_the_visibility_check_drops_another_tenants_chunk_that_the_index_returns(sessions, index):
+    """The re-check looks chunks up by id (the tenant is checked on the rows): a hit that names
+    another tenant's chunk, from a stale or damaged index, never reaches the prompt."""
+    commit(sessions, index, draft("a", ["acme's own words"]))
+    commit(sessions, index, draft("b", ["beta's secret words"]), tenant="beta")
+    ours, theirs = truth.chunk_id("acme", "a", 1, 0), truth.chunk_id("beta", "b", 1, 0)
+    with sessions() as s:
+        rows = memory.visible_chunks(s, "acme", 1, [ours, theirs])
+        assert [row.id for row, _ in rows] == [ours]
+        assert memory.visible_chunks(s, "beta", 1, [ours]) == []
+
+
 def retrieve(sessions, index, query, epoch=None, top_k=10):
     with sessions() as s:
         epoch = truth.current_epoch(s, "acme") if epoch is None else epoch
