@@ -222,11 +222,14 @@ struct Shapes {
 
 // Rows from which a matmul dequantizes a panel of columns once for all rows, instead of each
 // block once per tile of kRows rows; the panel's width (its float32 weights stay in L2 while the
-// rows pass over them). Measured on 2 Zen 3 cores (AVX2), a layer's four matmuls of the bundled
-// model, against the block tiles: equal at 8 rows, 1968 against 2321 us at 16, 6.7 against
-// 7.6 ms at 64, 18.3 against 29.8 ms at 192, 52 against 79 ms at 512 (oneDNN's float32 on
-// the dequantized weights: 2.5, 5.5, 11.6 and 27 ms).
-constexpr int64_t kPanelMinRows = 16, kPanelWidth = 32;
+// rows pass over them). Measured on 2 cores, a layer's four matmuls of the bundled model,
+// against the block tiles. AVX2 kind as first measured (reported as Zen 3): equal at 8 rows,
+// 1968 against 2321 us at 16, 6.7 against 7.6 ms at 64, 18.3 against 29.8 ms at 192, 52
+// against 79 ms at 512 (oneDNN's float32 on the dequantized weights: 2.5, 5.5, 11.6 and 27
+// ms). AVX2 kind with half-rate 256-bit arithmetic (AMD EPYC family 23 model 1), two runs
+// each: equal at 6 rows (2.0 ms), 1.9-2.0 against 2.7 ms at 8, 2.4-2.6 against 4.0-4.1 at 12;
+// the tiles win at 2 rows (0.7 against 1.2-1.5 ms).
+constexpr int64_t kPanelMinRows = 8, kPanelWidth = 32;
 
 template <class V, class Q>
 void matmul_rows(const float* x, int64_t x_stride, int64_t rows, const uint8_t* w,
