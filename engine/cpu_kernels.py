@@ -5,7 +5,8 @@
   between a decoder layer's matmuls (layer_ops.cpp);
 * :class:`Bf16Linear`, a bf16 matmul with a float32 result (bf16_linear.cpp; AMX or
   AVX512-BF16);
-* :class:`QuantLinear`, a float32 matmul reading its weight as GGUF blocks (quant_linear.cpp).
+* :class:`QuantLinear`, a float32 matmul reading its weight as GGUF blocks (quant_linear.cpp);
+* :class:`BlockStack`, a decoder's layers on the kernels above in one call (block_stack.cpp).
 
 Implementations: each kernel above (but the bf16 matmul, AMX or AVX512-BF16 only: see
 :class:`Bf16Linear`) has a portable path and, where this CPU has the instructions, AVX2 and
@@ -32,7 +33,7 @@ import torch
 
 SOURCES = [Path(__file__).parent / "csrc" / name
            for name in ("fixed_order_attention.cpp", "layer_ops.cpp", "bf16_linear.cpp",
-                        "quant_linear.cpp", "bindings.cpp")]
+                        "quant_linear.cpp", "block_stack.cpp", "bindings.cpp")]
 PATH_ENV = "INHERENT_CPU_PATH"  # forces an implementation: avx512, avx2 or portable
 
 
@@ -196,3 +197,31 @@ class QuantLinear:
 
     def __call__(self, x: torch.Tensor, *, path: str | None = None) -> torch.Tensor:
         return _module().quant_linear(x.float(), self.blocks, self.qtype, _path(path))
+
+
+class BlockStack:
+    """A decoder's layers in one call (block_stack.cpp), each layer's calls as the model makes
+    them one by one -- add_rms_norm, QuantLinear qkv, rope_write, paged_attention, QuantLinear o,
+    add_rms_norm, QuantLinear gate_up, silu_mul, QuantLinear down -- so the same bits, without
+    Python between them. For steps whose every matmul runs on the blocks and every attention row
+    on the fixed-order kernel."""
+
+    __slots__ = ("_stack",)
+
+    def __init__(self, norms: list[torch.Tensor], linears: list[QuantLinear],
+                 cos_sin: torch.Tensor, num_heads: int, eps: float, scale: float,
+                 norm_dtype: torch.dtype):
+        """Per layer: ``norms`` [input, post-attention], ``linears`` [qkv, o, gate_up, down];
+        ``norm_dtype``: what the norms return (the matmuls' dtype; the blocks read float32)."""
+        self._stack = _module().BlockStack(
+            norms, [lin.blocks for lin in linears], [lin.qtype for lin in linears], cos_sin,
+            num_heads, eps, scale, norm_dtype == torch.bfloat16)
+
+    def __call__(self, x: torch.Tensor, caches: list[torch.Tensor], positions: torch.Tensor,
+                 slots: torch.Tensor, block_tables: torch.Tensor, token_seq: torch.Tensor, *,
+                 path: str | None = None) -> torch.Tensor:
+        """``x`` [T, hidden] float32 (the residual stream, updated in place); returns the last
+        layer's output. The other arguments as :func:`rope_write` and :func:`paged_attention`
+        take them."""
+        return self._stack.forward(x, caches, positions, slots, block_tables, token_seq,
+                                   _path(path))

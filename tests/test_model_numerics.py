@@ -350,3 +350,45 @@ def test_gguf_blocks_are_the_dense_weights_in_the_models_layout(bundled_checkpoi
                                    atol=1e-4)
     assert bundled_checkpoint.quantized["model.embed_tokens.weight"].qtype == "Q8_0"
     assert bundled_block_model.decode_weight_bytes < 110e6  # the blocks, not 270 MB of bf16
+
+
+class _CountedStack:
+    """A model's block stack that counts the steps it runs."""
+
+    def __init__(self, stack):
+        self.stack, self.calls = stack, 0
+
+    def __call__(self, *args):
+        self.calls += 1
+        return self.stack(*args)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("batch_invariant", [False, True])
+def test_block_stack_computes_the_bits_of_the_per_call_layers(bundled_checkpoint,
+                                                              batch_invariant):
+    """The decoder's layers in one kernel call (cpu_kernels.BlockStack) against the same model
+    calling each layer's kernels from Python: the same logits, bit for bit, in each step it
+    takes -- decode steps of few rows, and in batch-invariant mode every step."""
+    from engine import cpu_kernels
+
+    if cpu_kernels.bf16_linear_supported() and batch_invariant:
+        pytest.skip("batch-invariant mode runs the bf16 kernel on this CPU, not the blocks")
+    model = LlamaModel(bundled_checkpoint.config, bundled_checkpoint.weights,
+                       matmul_dtype=default_matmul_dtype(torch.float32),
+                       quantized=bundled_checkpoint.quantized, batch_invariant=batch_invariant)
+    counted = _CountedStack(model.block_stack)
+    assert counted.stack is not None
+    tokenizer = bundled_checkpoint.tokenizer
+    a, b, c = (tokenizer.encode_chat(chat(p)) for p in CHAT_PROMPTS[:3])
+    steps = [[("a", a), ("b", b[:20])], [("a", [7]), ("b", b[20:])], [("a", [9]), ("b", [11])],
+             [("a", [13]), ("b", [15]), ("c", c[:5])]] + [[(s, [t]) for s in "abc"]
+                                                          for t in (17, 19)]
+    by_stack, by_calls = PagedRunner(model), PagedRunner(model)
+    for work in steps:
+        model.block_stack = counted
+        ours = by_stack.step(work)
+        model.block_stack = None
+        assert torch.equal(ours, by_calls.step(work)), work
+    # default mode: the three steps of decodes alone; batch-invariant mode: all six
+    assert counted.calls == (6 if batch_invariant else 3)

@@ -31,6 +31,14 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("qtype"));
   m.def("quant_linear", &quant_linear, without_gil, "x @ W.T, W as GGUF blocks (Q4_1, Q8_0); float32 arithmetic",
         py::arg("x"), py::arg("blocks"), py::arg("qtype"), py::arg("path"));
+  py::class_<BlockStack>(m, "BlockStack", "a decoder's layers on the blocks, one call a step")
+      .def(py::init<std::vector<torch::Tensor>, std::vector<torch::Tensor>, std::vector<int64_t>,
+                    torch::Tensor, int64_t, double, double, bool>(),
+           py::arg("norms"), py::arg("blocks"), py::arg("qtypes"), py::arg("cos_sin"),
+           py::arg("num_heads"), py::arg("eps"), py::arg("scale"), py::arg("bf16_norm_out"))
+      .def("forward", &BlockStack::forward, without_gil, py::arg("x"), py::arg("caches"),
+           py::arg("positions"), py::arg("slots"), py::arg("block_tables"), py::arg("token_seq"),
+           py::arg("path"));
   m.attr("bf16_linear_supported") = bf16_linear_supported();
   m.def("bf16_linear_paths", &bf16_linear_paths, "bf16_linear's paths this build and CPU run, fastest first");
   m.def("pack_bf16_weight", &pack_bf16_weight, without_gil, "pack [N, K] for bf16_linear", py::arg("weight"));

@@ -88,6 +88,28 @@ int64_t quant_block_bytes(int64_t qtype);
 torch::Tensor quant_linear(torch::Tensor x, torch::Tensor blocks, int64_t qtype,
                            const std::string& path);
 
+// A decoder's layers on the kernels above, one call a step (block_stack.cpp): per layer, norms
+// [input, post-attention] and blocks with their qtypes [qkv, o, gate_up, down].
+class BlockStack {
+ public:
+  BlockStack(std::vector<torch::Tensor> norms, std::vector<torch::Tensor> blocks,
+             std::vector<int64_t> qtypes, torch::Tensor cos_sin, int64_t num_heads, double eps,
+             double scale, bool bf16_norm_out);
+  // x [T, hidden] float32, the residual stream, updated in place; returns the last layer's
+  // output (the residual's next delta).
+  torch::Tensor forward(torch::Tensor x, const std::vector<torch::Tensor>& caches,
+                        torch::Tensor positions, torch::Tensor slots, torch::Tensor block_tables,
+                        torch::Tensor token_seq, const std::string& path) const;
+
+ private:
+  std::vector<torch::Tensor> norms_, blocks_;
+  std::vector<int64_t> qtypes_;
+  torch::Tensor cos_sin_;
+  int64_t num_heads_;
+  double eps_, scale_;
+  bool bf16_norm_out_;
+};
+
 bool bf16_linear_supported();
 std::vector<std::string> bf16_linear_paths();
 torch::Tensor pack_bf16_weight(torch::Tensor w);

@@ -1,0 +1,47 @@
+// A decoder's layers in one call, for the steps where every call of a layer is one of our
+// kernels: each row's attention on the fixed-order kernel and each matmul on the GGUF blocks
+// (decode steps of few rows, and every step in batch-invariant mode). The layer is the nine
+// calls engine/model.py makes, in its order and with its arguments, so the result is the same
+// bits; what goes is Python between the calls -- the model's glue and the binding's per-call
+// conversions and GIL hand-offs, 270 of each a step for the bundled model's 30 layers.
+#include "kernels.h"
+
+BlockStack::BlockStack(std::vector<torch::Tensor> norms, std::vector<torch::Tensor> blocks,
+                       std::vector<int64_t> qtypes, torch::Tensor cos_sin, int64_t num_heads,
+                       double eps, double scale, bool bf16_norm_out)
+    : norms_(std::move(norms)), blocks_(std::move(blocks)), qtypes_(std::move(qtypes)),
+      cos_sin_(std::move(cos_sin)), num_heads_(num_heads), eps_(eps), scale_(scale),
+      bf16_norm_out_(bf16_norm_out) {
+  TORCH_CHECK(norms_.size() % 2 == 0 && blocks_.size() == 2 * norms_.size() &&
+              qtypes_.size() == blocks_.size(),
+              "a layer is 2 norms and 4 block matrices (qkv, o, gate_up, down)");
+  for (const int64_t qtype : qtypes_)
+    TORCH_CHECK(quant_block_bytes(qtype) > 0, "GGUF block type ", qtype, " is not supported");
+}
+
+torch::Tensor BlockStack::forward(torch::Tensor x, const std::vector<torch::Tensor>& caches,
+                                  torch::Tensor positions, torch::Tensor slots,
+                                  torch::Tensor block_tables, torch::Tensor token_seq,
+                                  const std::string& path) const {
+  const size_t layers = norms_.size() / 2;
+  TORCH_CHECK(layers > 0 && caches.size() == layers, "one KV cache tensor per layer");
+  // The norm's output in the matmuls' dtype, then float32 for the blocks (QuantLinear's x.float())
+  const auto norm = [&](const c10::optional<torch::Tensor>& delta, const torch::Tensor& weight) {
+    const torch::Tensor h = add_rms_norm(x, delta, weight, eps_, bf16_norm_out_, path);
+    return bf16_norm_out_ ? h.to(torch::kFloat32) : h;
+  };
+  const auto matmul = [&](const torch::Tensor& in, size_t layer, int which) {
+    return quant_linear(in, blocks_[4 * layer + which], qtypes_[4 * layer + which], path);
+  };
+  c10::optional<torch::Tensor> delta;  // the last sublayer's output, added inside the next norm
+  for (size_t l = 0; l < layers; ++l) {
+    torch::Tensor h = norm(delta, norms_[2 * l]);
+    const torch::Tensor q =
+        rope_write(matmul(h, l, 0), cos_sin_, positions, slots, caches[l], num_heads_, path);
+    const torch::Tensor attn =
+        paged_attention(q, caches[l], block_tables, token_seq, positions, scale_, path);
+    h = norm(matmul(attn, l, 1), norms_[2 * l + 1]);
+    delta = matmul(silu_mul(matmul(h, l, 2), path), l, 3);
+  }
+  return *delta;
+}
