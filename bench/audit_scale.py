@@ -23,12 +23,12 @@ import time
 import uuid
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from pathlib import Path
 
 from sqlalchemy import create_engine, select, text
 from sqlalchemy.engine import make_url
 from sqlalchemy.orm import Session
 
+from bench import cpu
 from provenance import audit_log, merkle, migrate
 from provenance.db import get_engine, session_scope
 from provenance.models import AuditLeaf
@@ -36,19 +36,6 @@ from provenance.models import AuditLeaf
 TENANT = "bench"
 CHECKPOINTS = {1_000: "1k", 10_000: "10k", 100_000: "100k", 1_000_000: "1m"}
 BASELINE_AT = 10_000
-
-
-def cpu_kind() -> str:
-    """The CPU model and the vector extensions that matter here, from /proc/cpuinfo."""
-    path = Path("/proc/cpuinfo")
-    fields: dict[str, str] = {}
-    for line in path.read_text().splitlines() if path.exists() else []:
-        key, _, value = line.partition(":")
-        fields.setdefault(key.strip(), value.strip())  # the first processor's
-    flags = set(fields.get("flags", "").split())
-    wanted = ["avx2", "avx512f", "avx512_bf16", "avx512_fp16", "amx_tile"]
-    found = ", ".join(f for f in wanted if f in flags) or "no AVX2"
-    return f"{fields.get('model name', 'unknown CPU')} ({found}; {os.cpu_count()} cores)"
 
 
 def stats(samples_ms: list[float]) -> dict[str, float]:
@@ -188,15 +175,15 @@ def main() -> None:
         "INHERENT_TEST_PG_URL; empty: SQLite only",
     )
     args = parser.parse_args()
-    cpu = cpu_kind()
-    print(f"CPU: {cpu}", flush=True)
+    machine = cpu.describe()
+    print(f"CPU: {cpu.label(machine)}", flush=True)
     report: dict = {}
     with tempfile.TemporaryDirectory() as tmp:
         report["sqlite"] = run("sqlite", f"sqlite:///{tmp}/audit.db", args.leaves, args.batch, args.samples)
     if args.pg_url:
         with throwaway_pg_database(args.pg_url) as url:
             report["postgresql"] = run("postgresql", url, args.leaves, args.batch, args.samples)
-    report["cpu"] = cpu
+    report["cpu"] = machine
     print(json.dumps(report))
 
 

@@ -36,6 +36,7 @@ from pathlib import Path
 
 import torch
 
+from bench import cpu
 from engine import EngineConfig, LLMEngine, SamplingParams
 
 PEERS = Path(os.environ.get("PEERS_DIR", Path.home() / ".cache" / "inherent-peers"))
@@ -212,21 +213,6 @@ def run_vllm(prompts: list[list[int]], output_tokens: int, threads: int) -> dict
         return json.loads(result.read_text())
 
 
-def cpu_kind() -> str:
-    """The CPU's model name and the instruction sets that pick the kernels."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            info = f.read()
-    except OSError:
-        return "unknown"
-    name = next((line.split(":", 1)[1].strip() for line in info.splitlines()
-                 if line.startswith("model name")), "unknown")
-    flags = next((set(line.split(":", 1)[1].split()) for line in info.splitlines()
-                  if line.startswith("flags")), set())
-    isa = [f for f in ("avx2", "avx512f", "avx512_bf16", "amx_bf16") if f in flags]
-    return f"{name} ({', '.join(isa) or 'no AVX2'})"
-
-
 def agreement(a: list[list[int]], b: list[list[int]]) -> tuple[float, float]:
     """Fraction of requests with identical outputs; mean fraction of tokens before the first
     difference."""
@@ -258,6 +244,7 @@ def main() -> None:
     prompts = random_prompts(args.num_requests, args.min_prompt, args.max_prompt,
                              checkpoint.config.vocab_size, args.seed)
     prompt_tokens = sum(map(len, prompts))
+    print(f"CPU: {cpu.label()}")
     print(f"workload: {args.num_requests} requests, prompts {args.min_prompt}-{args.max_prompt} "
           f"tokens ({prompt_tokens} in all), {args.output_tokens} output tokens each, "
           f"{args.dtype}, {args.threads} threads")
@@ -325,7 +312,7 @@ def main() -> None:
 
     result = {"out_tok_s": round(out_tok_s, 1), "decode_b1_ms": round(decode_ms, 2),
               "roofline_b1_ms": round(roofline_ms, 2), "bandwidth_gbs": round(bandwidth, 1),
-              "num_requests": args.num_requests, "cpu": cpu_kind(),
+              "num_requests": args.num_requests, "cpu": cpu.describe(),
               "engine_precision": engine_dtypes, "weights_format": model.weights_format,
               "decode_weight_mb": round(weight_bytes / 1e6, 1),
               "engine_rounds_out_tok_s": [round(run["out_tokens"] / run["elapsed"], 1)

@@ -23,6 +23,7 @@ import time
 
 import torch
 
+from bench import cpu
 from engine import cpu_kernels
 from engine.forward_batch import ForwardBatch
 from engine.loader import load_gguf
@@ -211,6 +212,7 @@ def main() -> None:
     parser.add_argument("--baseline", action="store_true", help="also time transformers")
     args = parser.parse_args()
 
+    print(f"CPU: {cpu.label()}")
     torch.manual_seed(0)
     if args.crossover_only:
         with torch.inference_mode():

