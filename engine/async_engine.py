@@ -89,15 +89,23 @@ class AsyncEngine:
                 self.engine.abort_request(request_id)
                 self._wake.set()
 
-    def run_between_steps(self, fn: Callable[[], T]) -> T:
+    def run_between_steps(self, fn: Callable[[], T],
+                          meanwhile: Callable[[], object] | None = None) -> T:
         """Run `fn` on the engine thread before its next step and return what it returns (or
-        raise what it raises); the calling thread waits. Every call waiting when a step ends
-        runs before the next one. Once the engine thread has stopped, `fn` runs here."""
+        raise what it raises); the calling thread waits, having first run `meanwhile` if given:
+        work of its own that need not wait for `fn` (the API resolves a query's snapshot while
+        the engine thread embeds the query). Should `meanwhile` raise, `fn` still runs and its
+        result is dropped. Every call waiting when a step ends runs before the next one. Once
+        the engine thread has stopped, `fn` runs here, after `meanwhile`."""
         if threading.current_thread() is self._thread or not self._thread.is_alive():
+            if meanwhile is not None:
+                meanwhile()
             return fn()
         call: Future = Future()
         self._calls.put((fn, call))
         self._wake.set()
+        if meanwhile is not None:
+            meanwhile()
         while True:
             try:
                 return call.result(timeout=1.0)

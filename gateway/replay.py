@@ -180,7 +180,7 @@ def drift_report(services: Services, session: Session, body: ReceiptBody) -> dic
         body.tenant_id,
         now_epoch,
         max(len(body.chunks), 1),
-        services.embed_query(body.retrieval_query),
+        services.embed_query(body.retrieval_query)[0],
         services.settings.retrieval_min_score,
     )
     cited = {(c.source_id, c.version) for c in body.chunks}

@@ -2,10 +2,12 @@
 the embedder, the vector index, and a metrics registry. Tests build one with their own parts."""
 
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from functools import lru_cache
 from typing import Any
 
+import numpy as np
 from opentelemetry import trace
 from prometheus_client import CollectorRegistry
 from sqlalchemy.orm import Session
@@ -106,11 +108,25 @@ class Services:
         """The embedder's name (its model_id without the weights hash)."""
         return self.embedder.model_id.partition("@")[0]
 
-    def embed_query(self, query: str):
-        """The query's embedding, computed on the engine thread between two steps: from this
-        thread it would start a second OpenMP team on the engine's cores
-        (engine/async_engine.py)."""
-        return self.embedder.embed([query], run_forward=self.engine.run_between_steps)[0]
+    def embed_query(self, query: str, meanwhile: Callable[[], object] | None = None
+                    ) -> tuple[np.ndarray, float]:
+        """The query's embedding, and the seconds until it was ready. It is computed on the
+        engine thread between two steps: from this thread it would start a second OpenMP team on
+        the engine's cores (engine/async_engine.py). `meanwhile` runs on this thread while it
+        waits."""
+        submitted = time.perf_counter()
+        ready_at: list[float] = []
+
+        def run_forward(forward: Callable[[], Any]) -> Any:
+            def timed() -> Any:
+                out = forward()
+                ready_at.append(time.perf_counter())
+                return out
+
+            return self.engine.run_between_steps(timed, meanwhile=meanwhile)
+
+        vector = self.embedder.embed([query], run_forward=run_forward)[0]
+        return vector, ready_at[-1] - submitted
 
     def completion_prompt(self, prompt: str | list[int]) -> PreparedPrompt:
         """A text completion's prompt as sent: text is tokenized as the engine would (BOS
@@ -145,18 +161,21 @@ class Services:
         chunks: list[memory.RetrievedChunk] = []
         timings = Timings()
         if use_retrieval:
-            start = time.perf_counter()  # resolving the snapshot is retrieval's work too
-            current = current_epoch(session, tenant_id)
+            start = time.perf_counter()
+            query = memory.retrieval_query(messages)
+            # The snapshot (a first statement: the session's connection and BEGIN too) resolves
+            # while the engine thread embeds the query. Retrieval's time is what it adds beyond
+            # the embedding's: the rest of the snapshot's, if it outlasted the embedding.
+            epochs: list[int] = []
+            vector, timings.embed = self.embed_query(
+                query, meanwhile=lambda: epochs.append(current_epoch(session, tenant_id)))
+            current = epochs[0]
             if snapshot is None:
                 snapshot = current
             elif snapshot > current:
                 raise memory.UnknownSnapshot(
                     f"snapshot {snapshot} does not exist yet; the current epoch is {current}"
                 )
-            query = memory.retrieval_query(messages)
-            embed_start = time.perf_counter()
-            vector = self.embed_query(query)
-            timings.embed = time.perf_counter() - embed_start
             retrieval = memory.retrieve(
                 session,
                 self.embedder,

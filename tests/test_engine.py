@@ -375,6 +375,33 @@ def test_calls_after_shutdown_run_on_the_callers_thread():
     assert engine.run_between_steps(threading.current_thread) is threading.current_thread()
 
 
+def test_the_caller_works_meanwhile_while_the_engine_thread_runs_its_call():
+    """`meanwhile` runs on the calling thread while its call runs on the engine thread: here
+    the call waits for `meanwhile` to let it finish (had the caller waited first, the call
+    would time out)."""
+    engine = AsyncEngine(toy_engine(tokenizer=CharTokenizer()))
+    started, release = threading.Event(), threading.Event()
+    callers: list[threading.Thread] = []
+
+    def call() -> threading.Thread:
+        started.set()
+        assert release.wait(5)
+        return threading.current_thread()
+
+    def meanwhile() -> None:
+        callers.append(threading.current_thread())
+        assert started.wait(5)  # the engine thread has taken the call
+        release.set()
+
+    assert engine.run_between_steps(call, meanwhile=meanwhile) is engine._thread
+    assert callers == [threading.current_thread()]
+    # a failing `meanwhile` is the caller's error; the engine thread stays up
+    with pytest.raises(ZeroDivisionError):
+        engine.run_between_steps(lambda: None, meanwhile=lambda: 1 / 0)
+    assert engine.run_between_steps(lambda: 7) == 7
+    engine.shutdown()
+
+
 # -- through the real Llama forward ---------------------------------------------------------
 
 
