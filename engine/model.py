@@ -455,6 +455,8 @@ class LlamaModel:
         self.rope = torch.polar(torch.ones_like(angles), angles).unsqueeze(1)
         self._torch_ops = TorchLayerOps(self.rope, dtype)
         self._kernel_ops = KernelLayerOps(self.rope) if self._kernels else None
+        # None where some call is not our kernel; set to None, every step calls the layers' kernels
+        # one by one from Python (the test of the stack compares the two)
         self.block_stack, self._block_stack_rows = self._build_block_stack()
 
         if batch_invariant:
