@@ -127,8 +127,10 @@ def report_model(name: str, model: LlamaModel, bandwidth: float) -> None:
 def report_matmul_crossover() -> None:
     """fp32 vs bf16 vs GGUF Q4_1 blocks (cpu_kernels.QuantLinear, float32 arithmetic): time of
     one layer's four matmuls by token count (bf16 as the engine runs it: our kernel where the CPU
-    has AVX512-BF16, oneDNN otherwise). Where the blocks stop winning is
-    engine.model.BLOCK_MAX_ROWS (by dense kernel)."""
+    has AVX512-BF16, oneDNN otherwise). One layer's weights stay in cache here, which flatters
+    the dense kernels against the blocks: engine.model.BLOCK_MAX_ROWS comes from whole decode
+    steps, whose weights stream from memory (on 2 Zen 5 cores the blocks lose from 2 rows here,
+    but win a decode step up to 7)."""
     from gguf import GGMLQuantizationType
     from gguf.quants import quantize
 

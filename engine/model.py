@@ -282,12 +282,14 @@ class _Linear:
 
 # Most rows a matmul runs on the GGUF blocks before the dense kernel takes over: reading 0.6-1
 # byte a weight wins while the weights' bytes dominate, the blocks' float32 FMAs lose once
-# arithmetic does -- from 4 rows against our bf16 kernel (a bundled-model decode step on 2 Xeon
-# cores with AMX, blocks against the kernel: 11.5 against 17 ms at 1 row, 14.6 against 20 at 4),
-# from 16-32 rows against oneDNN's float32 GEMM (measured on 2 Zen 3 cores, a layer's four
-# matmuls: blocks 1.9 against 2.4 ms at 16 rows, 3.5 against 3.4 at 32; bench/model_step.py
-# measures both).
-BLOCK_MAX_ROWS = {"bf16 kernel": 4, "oneDNN": 16}
+# arithmetic does. Against our bf16 kernel on AMX tiles, from 4 rows (a bundled-model decode step
+# on 2 Xeon cores: blocks against the kernel 11.5 against 17 ms at 1 row, 14.6 against 20 at 4);
+# on AVX512-BF16 dot products, from 8, where the blocks leave tiles for a dequantized panel (2 Zen 5
+# cores, AMD EPYC family 26 model 2, two runs: 9.0-10.5 against 10.9-13.9 ms at 5-7 rows, 14.9-16.8
+# against 13.4-14.3 at 8). Against oneDNN's float32 GEMM, from 16-32 rows (2 Zen 3 cores, a
+# layer's four matmuls: blocks 1.9 against 2.4 ms at 16 rows, 3.5 against 3.4 at 32;
+# bench/model_step.py measures both).
+BLOCK_MAX_ROWS = {"bf16 AMX": 4, "bf16 kernel": 7, "oneDNN": 16}
 
 
 class _BlockLinear:
@@ -386,7 +388,9 @@ class LlamaModel:
         # mode runs every row of a matmul on one row-invariant kernel: the bf16 one where the CPU
         # has it (on 2 Xeon cores with AMX a layer's four matmuls at 256 rows: 1.8 against the
         # blocks' 13.6 ms, bench/model_step.py --crossover-only), else the blocks.
-        block_max_rows = BLOCK_MAX_ROWS["bf16 kernel" if bf16_kernel else "oneDNN"]
+        block_max_rows = BLOCK_MAX_ROWS[
+            ("bf16 AMX" if cpu_kernels.bf16_linear_paths()[0] == "amx" else "bf16 kernel")
+            if bf16_kernel else "oneDNN"]
         use_blocks = self._kernels and dtype == torch.float32 and not (batch_invariant
                                                                        and bf16_kernel)
         quantized = (quantized or {}) if use_blocks else {}

@@ -210,15 +210,29 @@ void run_tile(const float* x, int64_t x_stride, int64_t rows, int64_t r0,
   tile<V, Source, R, C>(xp, w, num_blocks, op);
 }
 
-// Tile shapes. A lone row: many columns (their W accumulators fill one transposing sum). A few
-// rows on the blocks: each dequantized block serves every row of the tile. Many rows on a
-// panel: rows x columns accumulators, one register each.
+// Tile shapes. A lone row: a few columns, each block dequantized once. A few rows on the blocks:
+// each dequantized block serves every row of the tile. Many rows on a panel: rows x columns
+// accumulators, one register each. A lone row on AVX-512 ran 16 columns a tile until measured on
+// 2 Zen 5 cores (AMD EPYC family 26 model 2): a bundled-model decode step took 6.7-7.5 ms so,
+// 4.3-4.6 with 4 columns (4.3-4.7 with 8).
 template <class V>
 struct Shapes {
-  static constexpr int kLoneCols = V::W == 16 ? 16 : 4;
+  static constexpr int kLoneCols = 4;
   static constexpr int kRows = V::W == 16 ? 4 : 2, kCols = V::W == 16 ? 4 : 2;
   static constexpr int kPanelRows = 4, kPanelCols = V::W == 16 ? 4 : 2;
 };
+
+// The last rows < kRows of a block matmul as one tile of `left` rows (R counts up to it).
+template <class V, class Q, int R = 1>
+void run_rest(int64_t left, const float* x, int64_t x_stride, int64_t rows, int64_t r0,
+              const uint8_t* const* w, int64_t c0, int64_t cols, int64_t num_blocks, float* out) {
+  if constexpr (R < Shapes<V>::kRows) {
+    if (left == R)
+      return run_tile<V, FromBlocks<V, Q>, R, Shapes<V>::kCols>(x, x_stride, rows, r0, w, c0,
+                                                                cols, num_blocks, out, cols);
+    run_rest<V, Q, R + 1>(left, x, x_stride, rows, r0, w, c0, cols, num_blocks, out);
+  }
+}
 
 // Rows from which a matmul dequantizes a panel of columns once for all rows, instead of each
 // block once per tile of kRows rows; the panel's width (its float32 weights stay in L2 while the
@@ -266,26 +280,29 @@ void matmul_rows(const float* x, int64_t x_stride, int64_t rows, const uint8_t* 
     });
     return;
   }
-  const bool shared = rows >= S::kRows;
-  const int64_t C = shared ? S::kCols : S::kLoneCols, col_tiles = (cols + C - 1) / C;
+  // Two rows or more share each dequantized block: tiles of kRows rows, the rest in one tile of
+  // as many rows. Dequantizing, not reading or multiplying, sets a tile's pace: measured on 2
+  // Zen 5 cores (AVX-512, AMD EPYC family 26 model 2), a bundled-model decode step took 6.6 ms
+  // at 1 row and at 4 (one 4-row tile), 10.2 at 2 and 13.2 at 3 while those ran a tile per row.
+  const bool lone = rows == 1;
+  const int64_t C = lone ? S::kLoneCols : S::kCols, col_tiles = (cols + C - 1) / C;
   // Threads split the outputs; each runs every row over its outputs' blocks (they stay in L1
   // while the rows stream from L2).
   at::parallel_for(0, col_tiles, 1, [&](int64_t begin, int64_t end) {
     for (int64_t ct = begin; ct < end; ++ct) {
-      const uint8_t* wp[S::kLoneCols];
+      const uint8_t* wp[std::max(S::kLoneCols, S::kCols)];
       for (int64_t c = 0; c < C; ++c) wp[c] = w + std::min(ct * C + c, cols - 1) * w_stride;
+      if (lone) {
+        run_tile<V, FromBlocks<V, Q>, 1, S::kLoneCols>(x, x_stride, rows, 0, wp, ct * C, cols,
+                                                       num_blocks, out, cols);
+        continue;
+      }
       int64_t r = 0;
-      if (shared)
-        for (; r + S::kRows <= rows; r += S::kRows)
-          run_tile<V, FromBlocks<V, Q>, S::kRows, S::kCols>(x, x_stride, rows, r, wp, ct * C,
-                                                            cols, num_blocks, out, cols);
-      for (; r < rows; ++r)
-        if (shared)
-          run_tile<V, FromBlocks<V, Q>, 1, S::kCols>(x, x_stride, rows, r, wp, ct * C, cols,
-                                                     num_blocks, out, cols);
-        else
-          run_tile<V, FromBlocks<V, Q>, 1, S::kLoneCols>(x, x_stride, rows, r, wp, ct * C, cols,
-                                                         num_blocks, out, cols);
+      for (; r + S::kRows <= rows; r += S::kRows)
+        run_tile<V, FromBlocks<V, Q>, S::kRows, S::kCols>(x, x_stride, rows, r, wp, ct * C,
+                                                          cols, num_blocks, out, cols);
+      if (r < rows)
+        run_rest<V, Q>(rows - r, x, x_stride, rows, r, wp, ct * C, cols, num_blocks, out);
     }
   });
 }
