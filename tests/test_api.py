@@ -228,6 +228,33 @@ def test_query_embeddings_run_on_the_engine_thread(api, monkeypatch):
     assert threads == ["inherent-engine"] * 2
 
 
+def test_a_tenant_with_nothing_ingested_is_answered_without_embedding_its_query(api, monkeypatch):
+    """Its snapshot is epoch 0, so there is nothing to search: once the engine thread knows it
+    (here it comes to the call after the snapshot resolved, as a busy engine does), the
+    embedding's forward is skipped, and the receipt records the empty retrieval a search gives."""
+    services = api.app.state.services
+    embedder, engine = services.embedder, services.engine
+    forwards = []
+    model = embedder.model
+    monkeypatch.setattr(embedder, "model", lambda *a, **k: forwards.append(1) or model(*a, **k))
+    run_between_steps = engine.run_between_steps
+
+    def at_the_next_step(fn, meanwhile=None):
+        if meanwhile is not None:
+            meanwhile()
+        return run_between_steps(fn)
+
+    monkeypatch.setattr(engine, "run_between_steps", at_the_next_step)
+    reply = api.chat("How do I reset my password?", tenant="newcomer", max_tokens=4)
+    assert forwards == [] and reply["citations"] == []
+    receipt = api.client.get(f"/v1/receipts/{reply['receipt_id']}",
+                             headers=api.auth("newcomer")).json()["body"]
+    assert receipt["inherent.retrieval.enabled"] and receipt["inherent.retrieval.snapshot_epoch"] == 0
+    assert receipt["inherent.retrieval.chunks"] == []
+    # a tenant with a knowledge base still has its query embedded, at the same engine timing
+    assert api.chat("How do I reset my password?", max_tokens=4)["citations"] and forwards
+
+
 def test_metrics_and_health(api):
     assert api.client.get("/healthz").json() == {"status": "ok"}
     assert api.client.get("/readyz").status_code == 200
