@@ -129,8 +129,8 @@ def report_matmul_crossover() -> None:
     one layer's four matmuls by token count (bf16 as the engine runs it: our kernel where the CPU
     has AVX512-BF16, oneDNN otherwise). One layer's weights stay in cache here, which flatters
     the dense kernels against the blocks: engine.model.BLOCK_MAX_ROWS comes from whole decode
-    steps, whose weights stream from memory (on 2 Zen 5 cores the blocks lose from 2 rows here,
-    but win a decode step up to 7)."""
+    steps, whose weights stream from memory (on 2 Zen 5 cores the blocks lose at every row
+    count here, but win a decode step up to 7 rows)."""
     from gguf import GGMLQuantizationType
     from gguf.quants import quantize
 

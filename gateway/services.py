@@ -191,7 +191,7 @@ class Services:
                     f"snapshot {snapshot} does not exist yet; the current epoch is {current}"
                 )
             if current == 0:  # what a search of the empty snapshot returns
-                retrieval = memory.Retrieval(query, tenant_id, 0, self.embedder.model_id, ())
+                retrieval = memory.Retrieval(query, tenant_id, snapshot, self.embedder.model_id, ())
             else:
                 retrieval = memory.retrieve(
                     session,
