@@ -1,5 +1,6 @@
 """Database engine and sessions for the configured URL (SQLite embedded, PostgreSQL in production)."""
 
+import sqlite3
 import threading
 import time
 import weakref
@@ -28,10 +29,9 @@ def _sqlite_on_connect(dbapi_connection, _record) -> None:
     # Transactions are begun by us (see _sqlite_on_begin), not by the driver's implicit BEGIN.
     dbapi_connection.isolation_level = None
     cursor = dbapi_connection.cursor()
-    # First: switching a new database to WAL takes a lock another process may hold.
     cursor.execute("PRAGMA busy_timeout=30000")
     # WAL lets the API read while an ingestion job writes; foreign keys are off by default in SQLite.
-    cursor.execute("PRAGMA journal_mode=WAL")
+    _switch_to_wal(cursor)
     # In WAL mode NORMAL survives an application crash; only an OS crash can drop the last
     # commits. Production durability comes from PostgreSQL.
     cursor.execute("PRAGMA synchronous=NORMAL")
@@ -39,6 +39,21 @@ def _sqlite_on_connect(dbapi_connection, _record) -> None:
     # No commit checkpoints the WAL itself: see WalCheckpointer.
     cursor.execute("PRAGMA wal_autocheckpoint=0")
     cursor.close()
+
+
+def _switch_to_wal(cursor, timeout_s: float = 30.0) -> None:
+    """PRAGMA journal_mode=WAL, waiting up to the busy timeout for a lock another process holds:
+    the switch takes an exclusive lock without SQLite's busy handler, so a replica that opened a
+    new database while another wrote it was told 'database is locked' at once."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            cursor.execute("PRAGMA journal_mode=WAL")
+            return
+        except sqlite3.OperationalError as error:
+            if "locked" not in str(error) or time.monotonic() > deadline:
+                raise
+        time.sleep(0.01)
 
 
 def _sqlite_on_begin(connection) -> None:

@@ -1,5 +1,7 @@
 """The embedded database's own upkeep: no commit pays for a WAL checkpoint."""
 
+import sqlite3
+import threading
 import time
 
 from sqlalchemy import text
@@ -28,3 +30,20 @@ def test_a_commit_leaves_the_wal_checkpoint_to_its_own_thread(tmp_path):
         time.sleep(0.05)
     with session_scope(url) as session:
         assert session.scalar(text("SELECT count(*) FROM blobs")) == 2000
+
+
+def test_a_connection_waits_while_another_process_holds_a_new_database(tmp_path):
+    """Switching a database to WAL takes an exclusive lock without SQLite's busy handler, so a
+    replica that opened a new file while another held it was told 'database is locked' at once
+    (test_migrations' four replicas, now and then). The switch waits as every other statement
+    does."""
+    path = tmp_path / "new.db"
+    holder = sqlite3.connect(path, isolation_level=None, check_same_thread=False)
+    holder.execute("CREATE TABLE t (x)")
+    holder.execute("BEGIN EXCLUSIVE")
+    threading.Timer(0.3, holder.execute, args=("COMMIT",)).start()
+    started = time.monotonic()
+    with session_scope(f"sqlite:///{path}") as session:
+        assert session.scalar(text("PRAGMA journal_mode")) == "wal"
+    assert time.monotonic() - started >= 0.25  # it waited for the holder
+    holder.close()
