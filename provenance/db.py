@@ -15,6 +15,9 @@ from sqlalchemy.orm import Session, sessionmaker
 
 T = TypeVar("T")
 
+# How long a SQLite statement waits for a lock another connection holds.
+BUSY_TIMEOUT_S = 30
+
 
 def is_transient(error: BaseException) -> bool:
     """A database failure that a later attempt may not meet: the server is down or restarting,
@@ -29,7 +32,7 @@ def _sqlite_on_connect(dbapi_connection, _record) -> None:
     # Transactions are begun by us (see _sqlite_on_begin), not by the driver's implicit BEGIN.
     dbapi_connection.isolation_level = None
     cursor = dbapi_connection.cursor()
-    cursor.execute("PRAGMA busy_timeout=30000")
+    cursor.execute(f"PRAGMA busy_timeout={BUSY_TIMEOUT_S * 1000}")
     # WAL lets the API read while an ingestion job writes; foreign keys are off by default in SQLite.
     _switch_to_wal(cursor)
     # In WAL mode NORMAL survives an application crash; only an OS crash can drop the last
@@ -41,11 +44,11 @@ def _sqlite_on_connect(dbapi_connection, _record) -> None:
     cursor.close()
 
 
-def _switch_to_wal(cursor, timeout_s: float = 30.0) -> None:
+def _switch_to_wal(cursor) -> None:
     """PRAGMA journal_mode=WAL, waiting up to the busy timeout for a lock another process holds:
     the switch takes an exclusive lock without SQLite's busy handler, so a replica that opened a
     new database while another wrote it was told 'database is locked' at once."""
-    deadline = time.monotonic() + timeout_s
+    deadline = time.monotonic() + BUSY_TIMEOUT_S
     while True:
         try:
             cursor.execute("PRAGMA journal_mode=WAL")
