@@ -17,6 +17,7 @@ published earlier catches a rewrite of the log itself.
 import secrets
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from datetime import datetime
 from typing import Any
 
 from sqlalchemy import Connection, bindparam, insert, select, union_all, update
@@ -24,8 +25,9 @@ from sqlalchemy.orm import Session
 
 from provenance import merkle
 from provenance.db import insert_missing
+from provenance.driver_sql import DriverStatement
 from provenance.hashing import blake3_hex, canonical_json
-from provenance.models import AuditHead, AuditLeaf, AuditNode, Receipt, SourceVersion
+from provenance.models import AuditHead, AuditLeaf, AuditNode, Receipt, SourceVersion, utcnow
 
 
 def receipt_leaf_payload(receipt: Receipt) -> dict[str, Any]:
@@ -117,22 +119,20 @@ def append_receipt(session: Session | Connection, receipt: Receipt) -> int:
 
 
 _LEAF, _NODE, _HEAD = AuditLeaf.__table__, AuditNode.__table__, AuditHead.__table__
-# Statements built once (every answer appends a leaf): building them cost more than running them.
-_ADVANCE_HEAD = (
+# Every answer appends a leaf: these run on the driver's cursor (provenance/driver_sql.py).
+_ADVANCE_HEAD = DriverStatement(
     update(_HEAD)
     .where(_HEAD.c.tenant_id == bindparam("tenant"))
     .values(size=_HEAD.c.size + bindparam("advance"))
     .returning(_HEAD.c.size, _HEAD.c.frontier)
 )
-_SET_FRONTIER = (
+_SET_FRONTIER = DriverStatement(
     update(_HEAD).where(_HEAD.c.tenant_id == bindparam("tenant")).values(frontier=bindparam("frontier"))
 )
-_INSERT_LEAVES, _INSERT_NODES = insert(_LEAF), insert(_NODE)
+_INSERT_LEAVES, _INSERT_NODES = DriverStatement(insert(_LEAF)), DriverStatement(insert(_NODE))
 
 
-def _lock_head(
-    session: Session | Connection, tenant_id: str, advance: int
-) -> tuple[int, list[str]]:
+def _lock_head(connection: Connection, tenant_id: str, advance: int) -> tuple[int, list[str]]:
     """Take the tenant's head row lock until the transaction ends, reserve ``advance`` leaf
     indexes, and return the size before them and the frontier at that size.
 
@@ -141,14 +141,15 @@ def _lock_head(
     holder committed, so no two appenders ever take the same index.
     """
     params = {"tenant": tenant_id, "advance": advance}
-    row = session.execute(_ADVANCE_HEAD, params).one_or_none()
-    if row is None:  # the tenant's first leaf; a concurrent first appender may create it too
-        insert_missing(session, AuditHead, [{"tenant_id": tenant_id, "size": 0, "frontier": []}])
-        row = session.execute(_ADVANCE_HEAD, params).one()
-    return row.size - advance, list(row.frontier)
+    rows = _ADVANCE_HEAD.execute(connection, params)
+    if not rows:  # the tenant's first leaf; a concurrent first appender may create it too
+        insert_missing(connection, AuditHead, [{"tenant_id": tenant_id, "size": 0, "frontier": []}])
+        rows = _ADVANCE_HEAD.execute(connection, params)
+    size, frontier = rows[0]
+    return size - advance, list(frontier)
 
 
-def _leaf_row(tenant_id: str, seq: int, entry: LeafEntry) -> dict[str, Any]:
+def _leaf_row(tenant_id: str, seq: int, entry: LeafEntry, created_at: datetime) -> dict[str, Any]:
     nonce = secrets.token_hex(16)
     digest = merkle.leaf_hash(leaf_data(entry.kind, entry.ref, entry.payload, nonce))
     return {
@@ -159,6 +160,7 @@ def _leaf_row(tenant_id: str, seq: int, entry: LeafEntry) -> dict[str, Any]:
         "payload": entry.payload,
         "nonce": nonce,
         "leaf_hash": digest.hex(),
+        "created_at": created_at,
     }
 
 
@@ -172,8 +174,13 @@ def append_leaves(
     """
     if not entries:
         return []
-    size, frontier = _lock_head(session, tenant_id, len(entries))
-    leaves = [_leaf_row(tenant_id, seq, entry) for seq, entry in enumerate(entries, start=size)]
+    connection = session.connection() if isinstance(session, Session) else session
+    size, frontier = _lock_head(connection, tenant_id, len(entries))
+    created_at = utcnow()
+    leaves = [
+        _leaf_row(tenant_id, seq, entry, created_at)
+        for seq, entry in enumerate(entries, start=size)
+    ]
     stack, completed = merkle.extend(
         [bytes.fromhex(h) for h in frontier], size, [bytes.fromhex(x["leaf_hash"]) for x in leaves]
     )
@@ -181,11 +188,10 @@ def append_leaves(
         {"tenant_id": tenant_id, "node": merkle.node_number(level, index), "hash": digest.hex()}
         for level, index, digest in completed
     ]
-    # Core inserts: the ORM's per-row bookkeeping would cost more than the hashing.
-    session.execute(_INSERT_LEAVES, leaves)
+    _INSERT_LEAVES.executemany(connection, leaves)
     if nodes:
-        session.execute(_INSERT_NODES, nodes)
-    session.execute(_SET_FRONTIER, {"tenant": tenant_id, "frontier": [h.hex() for h in stack]})
+        _INSERT_NODES.executemany(connection, nodes)
+    _SET_FRONTIER.execute(connection, {"tenant": tenant_id, "frontier": [h.hex() for h in stack]})
     return [leaf["seq"] for leaf in leaves]
 
 

@@ -15,6 +15,7 @@ from sqlalchemy import Connection, and_, insert, or_, select
 from sqlalchemy.orm import Session
 
 from provenance import audit_log
+from provenance.driver_sql import DriverStatement
 from provenance.hashing import blake3_hex
 from provenance.memory import CitedChunk
 from provenance.models import Receipt, ReceiptCitation, utcnow
@@ -179,8 +180,9 @@ class ReceiptBody(BaseModel):
 def write_receipt(session: Session | Connection, record: ReceiptRecord) -> Receipt:
     """Insert the receipt and append its leaf to the audit log, in the caller's transaction.
 
-    Core inserts, not the ORM's unit of work: on every answer's path, its bookkeeping cost more
-    than the database did. The returned row is not attached to the session."""
+    On the driver's cursor, not the ORM's unit of work nor Core's execute: on every answer's
+    path, their bookkeeping cost more than the database did (provenance/driver_sql.py). The
+    returned row is not attached to the session."""
     body = record.body()
     receipt = Receipt(
         id=record.receipt_id,
@@ -195,20 +197,21 @@ def write_receipt(session: Session | Connection, record: ReceiptRecord) -> Recei
         output_hash=body.output_hash,
         body=body.stored(),
     )
-    session.execute(_INSERT_RECEIPT, {c.key: getattr(receipt, c.key) for c in _RECEIPTS.columns})
+    connection = session.connection() if isinstance(session, Session) else session
+    _INSERT_RECEIPT.execute(connection, {c.key: getattr(receipt, c.key) for c in _RECEIPTS.columns})
     cited = sorted({(c.source_id, c.version) for c in body.chunks})
     if cited:
-        session.execute(_INSERT_CITATION, [
+        _INSERT_CITATION.executemany(connection, [
             {"receipt_id": receipt.id, "source_id": s, "version": v, "tenant_id": receipt.tenant_id}
             for s, v in cited
         ])
-    audit_log.append_receipt(session, receipt)
+    audit_log.append_receipt(connection, receipt)
     return receipt
 
 
 _RECEIPTS = Receipt.__table__
-_INSERT_RECEIPT = insert(_RECEIPTS)
-_INSERT_CITATION = insert(ReceiptCitation.__table__)
+_INSERT_RECEIPT = DriverStatement(insert(_RECEIPTS))
+_INSERT_CITATION = DriverStatement(insert(ReceiptCitation.__table__))
 
 
 def get_receipt(session: Session, tenant_id: str, receipt_id: str) -> Receipt | None:

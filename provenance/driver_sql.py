@@ -1,0 +1,111 @@
+"""Core statements run on the driver's cursor, for the writes every answer waits for.
+
+A receipt's commit ran seven Core statements, and with the cold caches a decode leaves behind,
+SQLAlchemy's execution path (compiled-cache lookup, parameter set-up, result set-up: about a
+thousand Python calls a receipt) cost more than the database did. A ``DriverStatement`` compiles
+its statement once per dialect, converts each parameter with the type processor SQLAlchemy
+itself would use (so a row reads back the same whichever way it was written), and runs on the
+DBAPI cursor of the caller's transaction. A driver error is raised as SQLAlchemy's, with the
+connection invalidated when the driver says it is gone, so callers (``is_transient``, the
+receipt writer's retries, the pool) see what a Core ``execute`` would have shown them.
+"""
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from sqlalchemy import Connection
+from sqlalchemy.engine import Dialect
+from sqlalchemy.exc import DBAPIError
+from sqlalchemy.sql.dml import UpdateBase
+
+Processor = Callable[[Any], Any] | None
+
+
+@dataclass(frozen=True, slots=True)
+class _Compiled:
+    sql: str
+    names: tuple[str, ...] | None  # positional paramstyles: the parameters in order
+    bind: dict[str, Processor]  # per parameter; None where the driver takes the value as is
+    result: tuple[Processor, ...]  # per RETURNING column
+
+    def args(self, params: dict[str, Any]) -> tuple[Any, ...] | dict[str, Any]:
+        bind = self.bind
+        if self.names is None:
+            return {k: v if (p := bind[k]) is None else p(v) for k, v in params.items()}
+        return tuple(
+            v if (p := bind[k]) is None else p(v) for k in self.names for v in (params[k],)
+        )
+
+
+class DriverStatement:
+    """An INSERT or UPDATE (with or without RETURNING) whose parameters are all named binds;
+    every execution passes every parameter."""
+
+    def __init__(self, statement: UpdateBase):
+        self.statement = statement
+        self._compiled: dict[str, _Compiled] = {}  # by dialect name
+
+    def execute(self, connection: Connection, params: dict[str, Any]) -> list[tuple]:
+        """Run it once; return the RETURNING rows (none without RETURNING)."""
+        compiled = self._compile(connection.dialect)
+        args = compiled.args(params)
+        cursor = _cursor(connection)
+        try:
+            _run(connection, cursor, compiled.sql, args, cursor.execute)
+            if not compiled.result:
+                return []
+            return [
+                tuple(v if p is None else p(v) for p, v in zip(compiled.result, row, strict=True))
+                for row in cursor.fetchall()
+            ]
+        finally:
+            cursor.close()
+
+    def executemany(self, connection: Connection, rows: Sequence[dict[str, Any]]) -> None:
+        compiled = self._compile(connection.dialect)
+        args = [compiled.args(row) for row in rows]
+        cursor = _cursor(connection)
+        try:
+            _run(connection, cursor, compiled.sql, args, cursor.executemany)
+        finally:
+            cursor.close()
+
+    def _compile(self, dialect: Dialect) -> _Compiled:
+        compiled = self._compiled.get(dialect.name)
+        if compiled is None:
+            sql = self.statement.compile(dialect=dialect)
+            compiled = _Compiled(
+                sql=sql.string,
+                names=tuple(sql.positiontup) if sql.positiontup is not None else None,
+                bind={
+                    name: bind.type.dialect_impl(dialect).bind_processor(dialect)
+                    for name, bind in sql.binds.items()
+                },
+                result=tuple(
+                    column.type.dialect_impl(dialect).result_processor(dialect, None)
+                    for column in self.statement.exported_columns
+                ),
+            )
+            self._compiled[dialect.name] = compiled
+        return compiled
+
+
+def _cursor(connection: Connection):
+    if not connection.in_transaction():  # as Core's execute would: autobegin
+        connection.begin()
+    return connection.connection.cursor()
+
+
+def _run(connection: Connection, cursor, sql: str, args, run: Callable) -> None:
+    dialect = connection.dialect
+    try:
+        run(sql, args)
+    except dialect.loaded_dbapi.Error as error:
+        gone = dialect.is_disconnect(error, connection.connection.dbapi_connection, cursor)
+        if gone:
+            connection.invalidate(error)
+        raise DBAPIError.instance(
+            sql, args, error, dialect.loaded_dbapi.Error,
+            connection_invalidated=gone, dialect=dialect,
+        ) from error

@@ -1,0 +1,128 @@
+"""Statements on the driver's cursor (the receipt path) write what Core would, and fail as Core
+would: the same rows read back through the ORM, SQLAlchemy's exception classes, a dropped
+PostgreSQL connection invalidated and retried by the receipt writer."""
+
+import time
+from datetime import UTC, datetime, timedelta, timezone
+
+import pytest
+from sqlalchemy import bindparam, insert, text, update
+from sqlalchemy.exc import IntegrityError, OperationalError
+
+from provenance.db import get_engine, is_transient, session_scope, write_transaction
+from provenance.driver_sql import DriverStatement
+from provenance.migrate import ensure_schema
+from provenance.models import AuditHead, Receipt
+from provenance.receipt_writer import commit_receipts
+from provenance.receipts import ReceiptRecord, new_receipt_id
+from provenance.truth import ensure_tenant
+
+HEAD = AuditHead.__table__
+RECEIPTS = Receipt.__table__
+
+
+@pytest.fixture(params=["sqlite", "postgresql"])
+def url(request, tmp_path):
+    url = (
+        f"sqlite:///{tmp_path / 'driver.db'}" if request.param == "sqlite"
+        else request.getfixturevalue("pg_url")
+    )
+    ensure_schema(url)
+    with session_scope(url, write=True) as session:
+        ensure_tenant(session, "acme")
+    return url
+
+
+def receipt_row(receipt_id: str, created_at: datetime) -> dict:
+    return {
+        "id": receipt_id, "tenant_id": "acme", "api_key_id": None, "created_at": created_at,
+        "status": "ok", "snapshot_epoch": 2**40, "model_id": "m", "weights_hash": "w" * 64,
+        "prompt_hash": "p" * 64, "output_hash": "o" * 64,
+        "body": {"nested": {"list": [1, 2.5, None, "é"]}, "flag": True},
+    }
+
+
+def test_rows_written_on_the_driver_read_back_as_rows_written_by_core(url):
+    """Same JSON, same instant (SQLite keeps DateTime as UTC text; PostgreSQL as timestamptz),
+    whichever way the row went in."""
+    at = datetime(2026, 12, 3, 6, 30, 15, 123456, tzinfo=UTC)
+    with write_transaction(url) as connection:
+        DriverStatement(insert(RECEIPTS)).execute(connection, receipt_row("rcpt_driver", at))
+        connection.execute(insert(RECEIPTS), receipt_row("rcpt_core", at))
+    with session_scope(url) as session:
+        driver, core = (session.get(Receipt, i) for i in ["rcpt_driver", "rcpt_core"])
+        for column in RECEIPTS.columns:
+            if column.key != "id":
+                assert getattr(driver, column.key) == getattr(core, column.key), column.key
+        assert driver.body == receipt_row("x", at)["body"]
+        assert driver.created_at.replace(tzinfo=driver.created_at.tzinfo or UTC) == at
+
+
+def test_returning_rows_come_back_through_the_column_types(url):
+    """The head update's RETURNING gives the frontier as the JSON list it stored."""
+    advance = DriverStatement(
+        update(HEAD).where(HEAD.c.tenant_id == bindparam("tenant"))
+        .values(size=HEAD.c.size + bindparam("advance")).returning(HEAD.c.size, HEAD.c.frontier)
+    )
+    with write_transaction(url) as connection:
+        connection.execute(insert(HEAD), {"tenant_id": "acme", "size": 5, "frontier": ["ab", "cd"]})
+        assert advance.execute(connection, {"tenant": "acme", "advance": 3}) == [(8, ["ab", "cd"])]
+        assert advance.execute(connection, {"tenant": "nobody", "advance": 1}) == []
+
+
+def test_a_constraint_violation_is_sqlalchemys_and_not_transient(url):
+    """The receipt writer retries only transient failures: a duplicate key must not look like one,
+    and the transaction it happened in rolls back whole."""
+    at = datetime.now(UTC)
+    statement = DriverStatement(insert(RECEIPTS))
+    with pytest.raises(IntegrityError) as raised, write_transaction(url) as connection:
+        statement.execute(connection, receipt_row("rcpt_once", at))
+        statement.execute(connection, receipt_row("rcpt_once", at))
+    assert not is_transient(raised.value)
+    with session_scope(url) as session:
+        assert session.get(Receipt, "rcpt_once") is None
+
+
+def test_a_statement_on_a_connection_outside_a_transaction_begins_one(url):
+    """As Core's execute would (autobegin): the rows are the caller's to commit or drop."""
+    statement = DriverStatement(insert(RECEIPTS))
+    with get_engine(url).connect() as connection:
+        statement.execute(connection, receipt_row("rcpt_dropped", datetime.now(UTC)))
+        assert connection.in_transaction()
+        connection.rollback()
+    with session_scope(url) as session:
+        assert session.get(Receipt, "rcpt_dropped") is None
+
+
+def test_a_dropped_postgresql_connection_is_invalidated_and_the_next_receipt_commits(request):
+    """The server ends a connection mid-transaction (as a restart does): the statement on it
+    raises a transient OperationalError, the connection is invalidated so the pool drops it, and
+    the next receipt commits on a fresh one at its first attempt."""
+    url = request.getfixturevalue("pg_url")
+    ensure_schema(url)
+    with session_scope(url, write=True) as session:
+        ensure_tenant(session, "acme")
+    engine = get_engine(url)
+    with engine.connect() as connection:
+        pid = connection.scalar(text("SELECT pg_backend_pid()"))
+        with engine.connect() as other:
+            other.execute(text("SELECT pg_terminate_backend(:pid)"), {"pid": pid})
+        with pytest.raises(OperationalError) as raised:
+            DriverStatement(insert(RECEIPTS)).execute(
+                connection, receipt_row(new_receipt_id(), datetime.now(UTC))
+            )
+        assert is_transient(raised.value) and raised.value.connection_invalidated
+        assert connection.invalidated
+    receipt = record()
+    assert commit_receipts(url, [receipt], time.monotonic() + 30) == 1
+    with session_scope(url) as session:
+        assert session.get(Receipt, receipt.receipt_id) is not None
+
+
+def record() -> ReceiptRecord:
+    return ReceiptRecord(
+        receipt_id=new_receipt_id(), tenant_id="acme", api_key_id=None, model_id="m",
+        weights_hash="w" * 64, messages=[{"role": "user", "content": "hi"}], sampling={},
+        engine={}, retrieval=None, prompt_text="hi", prompt_token_count=1, template_version="t",
+        created_at=datetime.now(timezone(timedelta(hours=5))),
+    )
