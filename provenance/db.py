@@ -101,11 +101,34 @@ class WalCheckpointer:
     def checkpoint(engine: Engine) -> None:
         connection = engine.raw_connection()
         try:
-            connection.driver_connection.execute("PRAGMA wal_checkpoint(PASSIVE)")
+            sqlite = connection.driver_connection
+            busy, frames, copied = sqlite.execute("PRAGMA wal_checkpoint(PASSIVE)").fetchone()
+            if not busy and frames == copied:
+                _restart_wal(sqlite)
         except Exception:  # a locked or closing database: the next interval tries again
             pass
         finally:
             connection.close()
+
+
+def _restart_wal(sqlite: sqlite3.Connection) -> None:
+    """Start the emptied log over from its first frame here, not in the next commit: the first
+    write to a log that was wholly copied back writes a new log header and syncs it, and between
+    requests that was every receipt's commit (a 0.5 ms fdatasync of its 2.7, Zen 4 kind). The
+    write sets user_version to its own value. A writer holding the lock restarts the log itself,
+    so this does not wait for one."""
+    sqlite.execute("PRAGMA busy_timeout=0")
+    try:
+        sqlite.execute("BEGIN IMMEDIATE")
+        try:
+            (version,) = sqlite.execute("PRAGMA user_version").fetchone()
+            sqlite.execute(f"PRAGMA user_version={int(version)}")
+            sqlite.execute("COMMIT")
+        except BaseException:
+            sqlite.execute("ROLLBACK")
+            raise
+    finally:
+        sqlite.execute(f"PRAGMA busy_timeout={BUSY_TIMEOUT_S * 1000}")
 
 
 @lru_cache(maxsize=8)

@@ -6,7 +6,7 @@ import time
 
 from sqlalchemy import text
 
-from provenance.db import session_scope
+from provenance.db import WalCheckpointer, get_engine, session_scope
 
 
 def test_a_commit_leaves_the_wal_checkpoint_to_its_own_thread(tmp_path):
@@ -47,3 +47,28 @@ def test_a_connection_waits_while_another_process_holds_a_new_database(tmp_path)
         assert session.scalar(text("PRAGMA journal_mode")) == "wal"
     assert time.monotonic() - started >= 0.25  # it waited for the holder
     holder.close()
+
+
+def test_the_checkpointer_restarts_the_emptied_log_so_no_commit_syncs_its_header(tmp_path):
+    """The first write to a log that was wholly copied back starts it over: a new header (its
+    checkpoint sequence number and salts change) and an fdatasync. The checkpointer does that
+    write itself, so the commit after a checkpoint (between requests: every receipt) appends to
+    a log already started over, and leaves its header as it found it."""
+    path = tmp_path / "restart.db"
+    engine = get_engine(f"sqlite:///{path}")
+    WalCheckpointer.checkpoint(engine)  # the first connection: the file is in WAL mode now
+    # Writes on a connection of the test's own: a commit through the engine would wake its
+    # background checkpointer, which could restart the log between the two reads below.
+    writer = sqlite3.connect(path, isolation_level=None)
+    writer.execute("CREATE TABLE t (x)")
+    writer.execute("INSERT INTO t VALUES (1)")
+    WalCheckpointer.checkpoint(engine)
+    header = wal_header(path)
+    writer.execute("INSERT INTO t VALUES (2)")
+    assert wal_header(path) == header
+    assert [x for (x,) in writer.execute("SELECT x FROM t ORDER BY x")] == [1, 2]
+    writer.close()
+
+
+def wal_header(path) -> bytes:
+    return path.with_name(path.name + "-wal").read_bytes()[:32]
