@@ -35,3 +35,40 @@ def test_a_released_pool_stops_its_workers_and_a_later_kernel_starts_new_ones():
     assert released == "True"
     assert int(after) == int(alone)
     assert int(rebuilt) == int(with_pool) and equal == "True"
+
+
+IDLE_SCRIPT = """
+import asyncio, os, time
+from engine import AsyncEngine, SamplingParams, create_engine
+from engine.config import EngineConfig
+from engine.openmp import release_thread_pool
+
+def threads():
+    return len(os.listdir("/proc/self/task"))
+
+llm = create_engine(EngineConfig())  # the bundled model
+release_thread_pool()  # loading left this thread a team
+engine = AsyncEngine(llm)
+alone = threads()
+
+async def answer():
+    async for _ in engine.generate(list(range(100, 300)), SamplingParams(max_tokens=4)):
+        pass
+
+asyncio.run(answer())  # the engine thread's team: a worker beside it while it steps
+deadline = time.monotonic() + 10
+while threads() > alone and time.monotonic() < deadline:
+    time.sleep(0.01)
+print(alone, threads())
+engine.shutdown()
+"""
+
+
+def test_an_idle_engine_thread_gives_its_workers_back():
+    """Spinning workers of an idle engine slow the API threads that run between its requests
+    (retrieval, the receipt commit): with no request left, the engine thread releases them."""
+    result = subprocess.run([sys.executable, "-c", IDLE_SCRIPT], capture_output=True, text=True,
+                            cwd=Path(__file__).parents[1], timeout=300)
+    assert result.returncode == 0, result.stderr
+    alone, idle = result.stdout.split()
+    assert int(idle) == int(alone)
