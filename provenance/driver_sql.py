@@ -30,12 +30,13 @@ class _Compiled:
     result: tuple[Processor, ...]  # per RETURNING column
 
     def args(self, params: dict[str, Any]) -> tuple[Any, ...] | dict[str, Any]:
-        bind = self.bind
         if self.names is None:
-            return {k: v if (p := bind[k]) is None else p(v) for k, v in params.items()}
-        return tuple(
-            v if (p := bind[k]) is None else p(v) for k in self.names for v in (params[k],)
-        )
+            return {name: _convert(self.bind[name], value) for name, value in params.items()}
+        return tuple(_convert(self.bind[name], params[name]) for name in self.names)
+
+
+def _convert(processor: Processor, value: Any) -> Any:
+    return value if processor is None else processor(value)
 
 
 class DriverStatement:
@@ -44,7 +45,7 @@ class DriverStatement:
 
     def __init__(self, statement: UpdateBase):
         self.statement = statement
-        self._compiled: dict[str, _Compiled] = {}  # by dialect name
+        self._compiled: dict[tuple[str, str], _Compiled] = {}  # by dialect and driver
 
     def execute(self, connection: Connection, params: dict[str, Any]) -> list[tuple]:
         """Run it once; return the RETURNING rows (none without RETURNING)."""
@@ -56,7 +57,7 @@ class DriverStatement:
             if not compiled.result:
                 return []
             return [
-                tuple(v if p is None else p(v) for p, v in zip(compiled.result, row, strict=True))
+                tuple(_convert(p, v) for p, v in zip(compiled.result, row, strict=True))
                 for row in cursor.fetchall()
             ]
         finally:
@@ -72,7 +73,8 @@ class DriverStatement:
             cursor.close()
 
     def _compile(self, dialect: Dialect) -> _Compiled:
-        compiled = self._compiled.get(dialect.name)
+        key = (dialect.name, dialect.driver)
+        compiled = self._compiled.get(key)
         if compiled is None:
             sql = self.statement.compile(dialect=dialect)
             compiled = _Compiled(
@@ -87,7 +89,7 @@ class DriverStatement:
                     for column in self.statement.exported_columns
                 ),
             )
-            self._compiled[dialect.name] = compiled
+            self._compiled[key] = compiled
         return compiled
 
 
