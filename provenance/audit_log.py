@@ -17,7 +17,6 @@ published earlier catches a rewrite of the log itself.
 import secrets
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from datetime import datetime
 from typing import Any
 
 from sqlalchemy import Connection, bindparam, insert, select, union_all, update
@@ -132,7 +131,9 @@ _SET_FRONTIER = DriverStatement(
 _INSERT_LEAVES, _INSERT_NODES = DriverStatement(insert(_LEAF)), DriverStatement(insert(_NODE))
 
 
-def _lock_head(connection: Connection, tenant_id: str, advance: int) -> tuple[int, list[str]]:
+def _lock_head(
+    session: Session | Connection, tenant_id: str, advance: int
+) -> tuple[int, list[str]]:
     """Take the tenant's head row lock until the transaction ends, reserve ``advance`` leaf
     indexes, and return the size before them and the frontier at that size.
 
@@ -141,15 +142,15 @@ def _lock_head(connection: Connection, tenant_id: str, advance: int) -> tuple[in
     holder committed, so no two appenders ever take the same index.
     """
     params = {"tenant": tenant_id, "advance": advance}
-    rows = _ADVANCE_HEAD.execute(connection, params)
+    rows = _ADVANCE_HEAD.execute(session, params)
     if not rows:  # the tenant's first leaf; a concurrent first appender may create it too
-        insert_missing(connection, AuditHead, [{"tenant_id": tenant_id, "size": 0, "frontier": []}])
-        rows = _ADVANCE_HEAD.execute(connection, params)
+        insert_missing(session, AuditHead, [{"tenant_id": tenant_id, "size": 0, "frontier": []}])
+        rows = _ADVANCE_HEAD.execute(session, params)
     size, frontier = rows[0]
     return size - advance, list(frontier)
 
 
-def _leaf_row(tenant_id: str, seq: int, entry: LeafEntry, created_at: datetime) -> dict[str, Any]:
+def _leaf_row(tenant_id: str, seq: int, entry: LeafEntry) -> dict[str, Any]:
     nonce = secrets.token_hex(16)
     digest = merkle.leaf_hash(leaf_data(entry.kind, entry.ref, entry.payload, nonce))
     return {
@@ -160,7 +161,7 @@ def _leaf_row(tenant_id: str, seq: int, entry: LeafEntry, created_at: datetime) 
         "payload": entry.payload,
         "nonce": nonce,
         "leaf_hash": digest.hex(),
-        "created_at": created_at,
+        "created_at": utcnow(),  # the column's default, which only Core would have applied
     }
 
 
@@ -174,13 +175,8 @@ def append_leaves(
     """
     if not entries:
         return []
-    connection = session.connection() if isinstance(session, Session) else session
-    size, frontier = _lock_head(connection, tenant_id, len(entries))
-    created_at = utcnow()
-    leaves = [
-        _leaf_row(tenant_id, seq, entry, created_at)
-        for seq, entry in enumerate(entries, start=size)
-    ]
+    size, frontier = _lock_head(session, tenant_id, len(entries))
+    leaves = [_leaf_row(tenant_id, seq, entry) for seq, entry in enumerate(entries, start=size)]
     stack, completed = merkle.extend(
         [bytes.fromhex(h) for h in frontier], size, [bytes.fromhex(x["leaf_hash"]) for x in leaves]
     )
@@ -188,10 +184,10 @@ def append_leaves(
         {"tenant_id": tenant_id, "node": merkle.node_number(level, index), "hash": digest.hex()}
         for level, index, digest in completed
     ]
-    _INSERT_LEAVES.executemany(connection, leaves)
+    _INSERT_LEAVES.executemany(session, leaves)
     if nodes:
-        _INSERT_NODES.executemany(connection, nodes)
-    _SET_FRONTIER.execute(connection, {"tenant": tenant_id, "frontier": [h.hex() for h in stack]})
+        _INSERT_NODES.executemany(session, nodes)
+    _SET_FRONTIER.execute(session, {"tenant": tenant_id, "frontier": [h.hex() for h in stack]})
     return [leaf["seq"] for leaf in leaves]
 
 

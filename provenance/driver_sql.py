@@ -17,6 +17,7 @@ from typing import Any
 from sqlalchemy import Connection
 from sqlalchemy.engine import Dialect
 from sqlalchemy.exc import DBAPIError
+from sqlalchemy.orm import Session
 from sqlalchemy.sql.dml import UpdateBase
 
 Processor = Callable[[Any], Any] | None
@@ -47,8 +48,10 @@ class DriverStatement:
         self.statement = statement
         self._compiled: dict[tuple[str, str], _Compiled] = {}  # by dialect and driver
 
-    def execute(self, connection: Connection, params: dict[str, Any]) -> list[tuple]:
-        """Run it once; return the RETURNING rows (none without RETURNING)."""
+    def execute(self, bind: Session | Connection, params: dict[str, Any]) -> list[tuple]:
+        """Run it once in the bind's transaction; return the RETURNING rows (none without
+        RETURNING)."""
+        connection = _connection(bind)
         compiled = self._compile(connection.dialect)
         args = compiled.args(params)
         cursor = _cursor(connection)
@@ -63,7 +66,8 @@ class DriverStatement:
         finally:
             cursor.close()
 
-    def executemany(self, connection: Connection, rows: Sequence[dict[str, Any]]) -> None:
+    def executemany(self, bind: Session | Connection, rows: Sequence[dict[str, Any]]) -> None:
+        connection = _connection(bind)
         compiled = self._compile(connection.dialect)
         args = [compiled.args(row) for row in rows]
         cursor = _cursor(connection)
@@ -91,6 +95,10 @@ class DriverStatement:
             )
             self._compiled[key] = compiled
         return compiled
+
+
+def _connection(bind: Session | Connection) -> Connection:
+    return bind.connection() if isinstance(bind, Session) else bind
 
 
 def _cursor(connection: Connection):

@@ -197,15 +197,14 @@ def write_receipt(session: Session | Connection, record: ReceiptRecord) -> Recei
         output_hash=body.output_hash,
         body=body.stored(),
     )
-    connection = session.connection() if isinstance(session, Session) else session
-    _INSERT_RECEIPT.execute(connection, {c.key: getattr(receipt, c.key) for c in _RECEIPTS.columns})
+    _INSERT_RECEIPT.execute(session, {c.key: getattr(receipt, c.key) for c in _RECEIPTS.columns})
     cited = sorted({(c.source_id, c.version) for c in body.chunks})
     if cited:
-        _INSERT_CITATION.executemany(connection, [
+        _INSERT_CITATION.executemany(session, [
             {"receipt_id": receipt.id, "source_id": s, "version": v, "tenant_id": receipt.tenant_id}
             for s, v in cited
         ])
-    audit_log.append_receipt(connection, receipt)
+    audit_log.append_receipt(session, receipt)
     return receipt
 
 
