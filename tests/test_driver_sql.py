@@ -1,6 +1,6 @@
 """Statements on the driver's cursor (the receipt path) write what Core would, and fail as Core
 would: the same rows read back through the ORM, SQLAlchemy's exception classes, a dropped
-PostgreSQL connection invalidated and retried by the receipt writer."""
+PostgreSQL connection invalidated so that the next receipt commits on a fresh one."""
 
 import time
 from datetime import UTC, datetime, timedelta, timezone
