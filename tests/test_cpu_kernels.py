@@ -375,13 +375,15 @@ def test_quant_linear_is_a_float32_matmul_on_the_dequantized_weights(qtype, rows
 
 @pytest.mark.parametrize("path", VECTOR_PATHS)
 @pytest.mark.parametrize("qtype", ["Q4_1", "Q8_0"])
-def test_vectorized_quant_linear_computes_the_portable_bits(path, qtype):
+@pytest.mark.parametrize("in_features", [576, 1536])
+def test_vectorized_quant_linear_computes_the_portable_bits(path, qtype, in_features):
     require(path)
-    blocks, _ = gguf_blocks(qtype, 53, 576, 3)
-    linear = kernel.QuantLinear(blocks, qtype, 576)
-    x = torch.randn(39, 576, generator=torch.Generator().manual_seed(8)) * 3
-    # block tiles up to 7 rows, dequantized panels from 8 (53 columns: a partial panel)
-    for rows in (1, 2, 3, 4, 5, 7, 8, 11, 16, 17, 39):
+    blocks, _ = gguf_blocks(qtype, 53, in_features, 3)
+    linear = kernel.QuantLinear(blocks, qtype, in_features)
+    x = torch.randn(39, in_features, generator=torch.Generator().manual_seed(8)) * 3
+    # block tiles up to 7 rows, dequantized panels from 8 in tiles of up to 6 rows (13: 5 + 4 +
+    # 4; 53 columns: a partial panel)
+    for rows in (1, 2, 3, 4, 5, 7, 8, 11, 13, 16, 17, 39):
         assert same_bits(linear(x[:rows], path=path), linear(x[:rows], path="portable"))
 
 

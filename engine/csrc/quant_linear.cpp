@@ -15,8 +15,9 @@
 // An output depends on its own row of x and column of W only: row-invariant by construction
 // (batch-invariant mode needs no probe for it). Paths: portable, AVX2 and AVX-512 (simd.h),
 // bit-identical; tiles of several rows share each dequantized block, and from kPanelMinRows rows
-// a panel of columns is dequantized once into float32 for every row, so prefill rows pay less
-// dequantization per weight than decode rows, without changing any output's arithmetic.
+// a panel of columns is dequantized once into float32 for every row and multiplied as outer
+// products, so prefill rows pay less dequantization per weight than decode rows, without
+// changing any output's arithmetic.
 #include "simd.h"
 
 #include <ATen/Parallel.h>
@@ -118,30 +119,18 @@ inline void dequant(Avx2, Q8_0, const uint8_t* b, __m256* w) {
 // where a plain sum streams 14.
 constexpr int64_t kPrefetchBytes = 4096;
 
-// Where a tile's weights come from: GGUF blocks dequantized in registers as they are read (a
-// row or a few: every weight is read once), or float32 weights dequantized beforehand into a
-// panel (many rows: the dequantization is paid once for all of them). Same values either way.
+// A block's weights in 2 kRegs registers, dequantized as they are read.
 template <class V, class Q>
-struct FromBlocks {
-  static constexpr int64_t kStride = Q::kBytes;  // per block of 32 weights
-  static constexpr bool kWhole = true;
-  using T = uint8_t;
-  static void load(const uint8_t* b, typename V::F* wv) {
-    __builtin_prefetch(b + kPrefetchBytes);
-    dequant(V{}, Q{}, b, wv);
-  }
-};
+inline void load_block(const uint8_t* b, typename V::F* wv) {
+  __builtin_prefetch(b + kPrefetchBytes);
+  dequant(V{}, Q{}, b, wv);
+}
 
-struct FromPanel {
-  static constexpr bool kWhole = false;
-  using T = float;
-};
-
-// R rows of x times C weight columns (outputs) over num_blocks blocks of 32. Pointers past the
-// real rows/outputs repeat the last one; their results are not stored (nullptr).
-template <class V, class Source, int R, int C>
-void tile(const float* const* x, const typename Source::T* const* w, int64_t num_blocks,
-          float* const* out) {
+// R rows of x times C weight columns (outputs) over num_blocks blocks of 32, each block
+// dequantized once for all R rows. Pointers past the real rows/outputs repeat the last one;
+// their results are not stored (nullptr).
+template <class V, class Q, int R, int C>
+void tile(const float* const* x, const uint8_t* const* w, int64_t num_blocks, float* const* out) {
   using F = typename V::F;
   constexpr int kRegs = V::kRegs;
   F acc[R][C][kRegs];
@@ -149,38 +138,16 @@ void tile(const float* const* x, const typename Source::T* const* w, int64_t num
     for (int c = 0; c < C; ++c)
       for (int i = 0; i < kRegs; ++i) acc[r][c][i] = V::zero();
   // Register j of a block (j < 2 kRegs) goes into accumulator register j % kRegs: lanes l, then
-  // l + 16, of every block in turn, whatever order the loops below visit the tile in.
-  if constexpr (Source::kWhole) {  // a block dequantizes whole: all its registers at once
-    for (int64_t b = 0; b < num_blocks; ++b)
-      for (int c = 0; c < C; ++c) {
-        F wv[2 * kRegs];
-        Source::load(w[c] + b * Source::kStride, wv);
-        for (int r = 0; r < R; ++r)
-          for (int j = 0; j < 2 * kRegs; ++j)
-            acc[r][c][j % kRegs] =
-                V::fma(V::load(x[r] + b * kBlock + V::W * j), wv[j], acc[r][c][j % kRegs]);
-      }
-  } else {
-    // A float panel: accumulator register i's chains (lanes of register i, then of kRegs + i,
-    // in every block) are independent of the others', so each runs over all of k on its own,
-    // R C accumulators live instead of R C kRegs. Each operand is loaded once; the empty asm
-    // keeps it in its register, where the compiler would fold the load into every FMA that
-    // reads it (and the loads, not the FMAs, would set the pace).
-    for (int i = 0; i < kRegs; ++i)
-      for (int64_t b = 0; b < num_blocks; ++b)
-        for (int j = i; j < 2 * kRegs; j += kRegs) {
-          F wv[C];
-          for (int c = 0; c < C; ++c) {
-            wv[c] = V::load(w[c] + b * kBlock + V::W * j);
-            asm("" : "+x"(wv[c]));
-          }
-          for (int r = 0; r < R; ++r) {
-            F xv = V::load(x[r] + b * kBlock + V::W * j);
-            asm("" : "+x"(xv));
-            for (int c = 0; c < C; ++c) acc[r][c][i] = V::fma(xv, wv[c], acc[r][c][i]);
-          }
-        }
-  }
+  // l + 16, of every block in turn.
+  for (int64_t b = 0; b < num_blocks; ++b)
+    for (int c = 0; c < C; ++c) {
+      F wv[2 * kRegs];
+      load_block<V, Q>(w[c] + b * Q::kBytes, wv);
+      for (int r = 0; r < R; ++r)
+        for (int j = 0; j < 2 * kRegs; ++j)
+          acc[r][c][j % kRegs] =
+              V::fma(V::load(x[r] + b * kBlock + V::W * j), wv[j], acc[r][c][j % kRegs]);
+    }
   // W accumulators per transposing sum
   for (int first = 0; first < R * C; first += V::W) {
     F folded[V::W];
@@ -193,11 +160,11 @@ void tile(const float* const* x, const typename Source::T* const* w, int64_t num
   }
 }
 
-// Rows [r0, r0 + R) x columns [c0, c0 + C) of out [rows, cols] as one tile, w[c] the source of
+// Rows [r0, r0 + R) x columns [c0, c0 + C) of out [rows, cols] as one tile, w[c] the blocks of
 // column c0 + c; rows from `rows` and columns from `col_end` on are computed but not stored.
-template <class V, class Source, int R, int C>
+template <class V, class Q, int R, int C>
 void run_tile(const float* x, int64_t x_stride, int64_t rows, int64_t r0,
-              const typename Source::T* const* w, int64_t c0, int64_t col_end, int64_t num_blocks,
+              const uint8_t* const* w, int64_t c0, int64_t col_end, int64_t num_blocks,
               float* out, int64_t cols) {
   const float* xp[R];
   float* op[R * C];
@@ -207,19 +174,17 @@ void run_tile(const float* x, int64_t x_stride, int64_t rows, int64_t r0,
     for (int c = 0; c < C; ++c)
       op[r * C + c] = r0 + r < rows && c0 + c < col_end ? out + row * cols + c0 + c : nullptr;
   }
-  tile<V, Source, R, C>(xp, w, num_blocks, op);
+  tile<V, Q, R, C>(xp, w, num_blocks, op);
 }
 
 // Tile shapes. A lone row: a few columns, each block dequantized once. A few rows on the blocks:
-// each dequantized block serves every row of the tile. Many rows on a panel: rows x columns
-// accumulators, one register each. A lone row on AVX-512 ran 16 columns a tile until measured on
-// 2 Zen 5 cores (AMD EPYC family 26 model 2): a bundled-model decode step took 6.7-7.5 ms so,
-// 4.3-4.6 with 4 columns (4.3-4.7 with 8).
+// each dequantized block serves every row of the tile. A lone row on AVX-512 ran 16 columns a
+// tile until measured on 2 Zen 5 cores (AMD EPYC family 26 model 2): a bundled-model decode step
+// took 6.7-7.5 ms so, 4.3-4.6 with 4 columns (4.3-4.7 with 8).
 template <class V>
 struct Shapes {
   static constexpr int kLoneCols = 4;
   static constexpr int kRows = V::W == 16 ? 4 : 2, kCols = V::W == 16 ? 4 : 2;
-  static constexpr int kPanelRows = 4, kPanelCols = V::W == 16 ? 4 : 2;
 };
 
 // The last rows < kRows of a block matmul as one tile of `left` rows (R counts up to it).
@@ -228,58 +193,175 @@ void run_rest(int64_t left, const float* x, int64_t x_stride, int64_t rows, int6
               const uint8_t* const* w, int64_t c0, int64_t cols, int64_t num_blocks, float* out) {
   if constexpr (R < Shapes<V>::kRows) {
     if (left == R)
-      return run_tile<V, FromBlocks<V, Q>, R, Shapes<V>::kCols>(x, x_stride, rows, r0, w, c0,
-                                                                cols, num_blocks, out, cols);
+      return run_tile<V, Q, R, Shapes<V>::kCols>(x, x_stride, rows, r0, w, c0, cols, num_blocks,
+                                                 out, cols);
     run_rest<V, Q, R + 1>(left, x, x_stride, rows, r0, w, c0, cols, num_blocks, out);
   }
 }
 
-// Rows from which a matmul dequantizes a panel of columns once for all rows, instead of each
-// block once per tile of kRows rows; the panel's width (its float32 weights stay in L2 while the
-// rows pass over them). Measured on 2 cores, a layer's four matmuls of the bundled model,
-// against the block tiles. AVX2 kind as first measured (reported as Zen 3): equal at 8 rows,
-// 1968 against 2321 us at 16, 6.7 against 7.6 ms at 64, 18.3 against 29.8 ms at 192, 52
-// against 79 ms at 512 (oneDNN's float32 on the dequantized weights: 2.5, 5.5, 11.6 and 27
-// ms). AVX2 kind with half-rate 256-bit arithmetic (AMD EPYC family 23 model 1), two runs
-// each: equal at 6 rows (2.0 ms), 1.9-2.0 against 2.7 ms at 8, 2.4-2.6 against 4.0-4.1 at 12;
-// the tiles win at 2 rows (0.7 against 1.2-1.5 ms).
-constexpr int64_t kPanelMinRows = 8, kPanelWidth = 32;
+#if defined(INHERENT_AVX2)  // every vector path's CPU has AVX2
+// ---- Many rows: outer products on a dequantized panel ---------------------------------------
+// From kPanelMinRows rows a matmul dequantizes a panel of columns once into float32 for all
+// rows, instead of each block once per tile of kRows rows. The tiles above hold the 16 lanes of
+// an output in registers and fold them at the end, so every FMA waits on a load of x and of a
+// weight. Here a register holds one lane of W consecutive outputs: a weight register serves
+// every row of the tile and a broadcast x element every output (12 FMAs to 8 loads on AVX2).
+// The arithmetic stays the one fixed above: lane l of output (r, n) is still the FMA chain over
+// k = l, l + 16, ... ascending (x * w and w * x are the same product), run one lane at a time
+// with its partial sums kept, and the lanes are added in lanes_sum's tree, W outputs at once.
+//
+// Measured on 2 Zen 3 cores (AVX2, AMD EPYC family 25 model 1), a layer's four matmuls of the
+// bundled model, against the panel of 16-lane tiles this replaced and oneDNN's float32 GEMM on
+// the dequantized weights: at 8 rows 0.96-0.99 against 1.07-1.16 ms (oneDNN 0.9); 32 rows
+// 1.99 against 2.31-2.38 (1.8-2.0); 192 rows 9.2 against 12.6-12.8 (8.6-9.3); 512 rows 24.5
+// against 32.5-33.5 (22.8-23.5). The tiles took 0.80-1.09 ms at 6-7 rows, the panel 0.77-0.97.
+constexpr int64_t kPanelMinRows = 8;
+
+template <class V>
+struct Outer {
+  static constexpr int kRows = 6;               // rows x 2 registers of outputs: 12 accumulators
+  static constexpr int kCols = 2 * V::W;        // outputs a tile
+  static constexpr int kPanel = 2 * kCols;      // outputs a panel: x's rows serve two tiles
+  // floats from one lane's weights to the next's: a step more than they hold, so that lanes
+  // 4 KB apart do not share L1 sets
+  static int64_t lane_stride(int64_t steps) { return (steps + 1) * kPanel; }
+};
+
+// Lane l's chains for R rows x Outer::kCols outputs: xl[r] the lane's x elements of row r
+// (x[k] for k = l, l + 16, ...), wl the panel's weights of those k, kPanel floats a step.
+template <class V, int R>
+void outer_lane(const float* const* xl, const float* wl, int64_t steps, float* partial) {
+  using F = typename V::F;
+  constexpr int kPanel = Outer<V>::kPanel;
+  F acc[R][2];
+  for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = V::zero();
+  for (int64_t m = 0; m < steps; ++m) {
+    const F w0 = V::load(wl + m * kPanel), w1 = V::load(wl + m * kPanel + V::W);
+    for (int r = 0; r < R; ++r) {
+      const F xb = V::set1(xl[r][m]);
+      acc[r][0] = V::fma(xb, w0, acc[r][0]);
+      acc[r][1] = V::fma(xb, w1, acc[r][1]);
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int v = 0; v < 2; ++v) V::store(partial + (2 * r + v) * V::W, acc[r][v]);
+}
+
+// Rows [r0, r0 + R) x the panel's outputs [t, t + kCols): all 16 lanes, then their sums.
+// xt: x transposed per row to [lane][k / 16]; panel: [lane][k / 16][kPanel].
+template <class V, int R>
+void outer_tile(const float* xt, int64_t k, int64_t r0, const float* panel, int64_t t,
+                int64_t c0, int64_t col_end, float* out, int64_t cols) {
+  using F = typename V::F;
+  constexpr int kCols = Outer<V>::kCols;
+  const int64_t steps = k / kLanes;
+  alignas(64) float partial[kLanes][R * kCols];
+  for (int l = 0; l < kLanes; ++l) {
+    const float* xl[R];
+    for (int r = 0; r < R; ++r) xl[r] = xt + (r0 + r) * k + l * steps;
+    outer_lane<V, R>(xl, panel + l * Outer<V>::lane_stride(steps) + t, steps, partial[l]);
+  }
+  for (int r = 0; r < R; ++r)
+    for (int v = 0; v < 2; ++v) {
+      const int at = (2 * r + v) * V::W;
+      F half[kLanes / 2], quarter[kLanes / 4];
+      for (int l = 0; l < kLanes / 2; ++l)
+        half[l] = V::add(V::load(partial[l] + at), V::load(partial[l + kLanes / 2] + at));
+      for (int l = 0; l < kLanes / 4; ++l) quarter[l] = V::add(half[l], half[l + kLanes / 4]);
+      alignas(64) float sums[V::W];
+      V::store(sums, V::add(V::add(quarter[0], quarter[2]), V::add(quarter[1], quarter[3])));
+      for (int p = 0; p < V::W; ++p) {
+        const int64_t col = c0 + t + v * V::W + p;
+        if (col < col_end) out[(r0 + r) * cols + col] = sums[p];
+      }
+    }
+}
+
+// A tile of `height` rows (R counts up to it).
+template <class V, int R = 1>
+void outer_rows(int64_t height, const float* xt, int64_t k, int64_t r0, const float* panel,
+                int64_t t, int64_t c0, int64_t col_end, float* out, int64_t cols) {
+  if constexpr (R <= Outer<V>::kRows) {
+    if (height == R) return outer_tile<V, R>(xt, k, r0, panel, t, c0, col_end, out, cols);
+    outer_rows<V, R + 1>(height, xt, k, r0, panel, t, c0, col_end, out, cols);
+  }
+}
+
+// out[i][0..8) = in[0..8)[j + i]: an 8 x 8 block of floats transposed.
+inline void transpose8x8(const float (*in)[kBlock], int j, float* const* out) {
+  __m256 r[8], t[8];
+  for (int i = 0; i < 8; ++i) r[i] = _mm256_load_ps(in[i] + j);
+  for (int i = 0; i < 4; ++i) {  // pairs of rows, interleaved
+    t[2 * i] = _mm256_unpacklo_ps(r[2 * i], r[2 * i + 1]);
+    t[2 * i + 1] = _mm256_unpackhi_ps(r[2 * i], r[2 * i + 1]);
+  }
+  for (int i = 0; i < 2; ++i) {  // quadruples of rows
+    r[4 * i] = _mm256_shuffle_ps(t[4 * i], t[4 * i + 2], 0x44);
+    r[4 * i + 1] = _mm256_shuffle_ps(t[4 * i], t[4 * i + 2], 0xEE);
+    r[4 * i + 2] = _mm256_shuffle_ps(t[4 * i + 1], t[4 * i + 3], 0x44);
+    r[4 * i + 3] = _mm256_shuffle_ps(t[4 * i + 1], t[4 * i + 3], 0xEE);
+  }
+  for (int i = 0; i < 4; ++i) {  // 128-bit halves: rows 0-3 with rows 4-7
+    _mm256_storeu_ps(out[i], _mm256_permute2f128_ps(r[i], r[4 + i], 0x20));
+    _mm256_storeu_ps(out[4 + i], _mm256_permute2f128_ps(r[i], r[4 + i], 0x31));
+  }
+}
+
+// Threads split the panels; each dequantizes its panel, then runs every row over it.
+template <class V, class Q>
+void matmul_outer(const float* x, int64_t x_stride, int64_t rows, const uint8_t* w,
+                  int64_t w_stride, int64_t cols, int64_t num_blocks, float* out) {
+  using O = Outer<V>;
+  const int64_t k = num_blocks * kBlock, steps = k / kLanes;
+  std::vector<float> xt(rows * k);  // each row's x by lane, so a lane's elements are adjacent
+  at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r)
+      for (int64_t i = 0; i < k; ++i)
+        xt[r * k + (i % kLanes) * steps + i / kLanes] = x[r * x_stride + i];
+  });
+  const int64_t num_panels = (cols + O::kPanel - 1) / O::kPanel;
+  at::parallel_for(0, num_panels, 1, [&](int64_t begin, int64_t end) {
+    thread_local std::vector<float> panel;  // reused by the next call on this thread
+    panel.resize(kLanes * O::lane_stride(steps));
+    for (int64_t p = begin; p < end; ++p) {
+      const int64_t c0 = p * O::kPanel, col_end = std::min(cols, c0 + O::kPanel);
+      // 8 columns' blocks at a time, transposed into the panel's rows of outputs; columns past
+      // the end repeat the last one
+      for (int64_t c = 0; c < O::kPanel; c += 8)
+        for (int64_t b = 0; b < num_blocks; ++b) {
+          alignas(64) float dequantized[8][kBlock];
+          for (int i = 0; i < 8; ++i) {
+            typename V::F wv[2 * V::kRegs];
+            load_block<V, Q>(w + std::min(c0 + c + i, cols - 1) * w_stride + b * Q::kBytes, wv);
+            for (int j = 0; j < 2 * V::kRegs; ++j) V::store(dequantized[i] + V::W * j, wv[j]);
+          }
+          for (int j = 0; j < kBlock; j += 8) {  // k = 32 b + j: lane j % 16, step 2 b + j / 16
+            float* to[8];
+            for (int i = 0; i < 8; ++i)
+              to[i] = &panel[((j + i) % kLanes) * O::lane_stride(steps)
+                              + (2 * b + (j + i) / kLanes) * O::kPanel + c];
+            transpose8x8(dequantized, j, to);
+          }
+        }
+      // rows in tiles of near-equal height: 8 rows as 4 + 4, not 6 + 2, whose 4 chains would
+      // wait on the FMAs' latency
+      const int64_t tiles = (rows + O::kRows - 1) / O::kRows;
+      for (int64_t i = 0, r = 0; i < tiles; ++i) {
+        const int64_t height = rows / tiles + (i < rows % tiles);
+        for (int64_t t = 0; t < O::kPanel; t += O::kCols)
+          outer_rows<V>(height, xt.data(), k, r, panel.data(), t, c0, col_end, out, cols);
+        r += height;
+      }
+    }
+  });
+}
 
 template <class V, class Q>
 void matmul_rows(const float* x, int64_t x_stride, int64_t rows, const uint8_t* w,
                  int64_t w_stride, int64_t cols, int64_t num_blocks, float* out) {
   using S = Shapes<V>;
-  if (rows >= kPanelMinRows) {
-    const int64_t k = num_blocks * kBlock, num_panels = (cols + kPanelWidth - 1) / kPanelWidth;
-    at::parallel_for(0, num_panels, 1, [&](int64_t begin, int64_t end) {
-      thread_local std::vector<float> panel;  // reused by the next call on this thread
-      panel.resize(kPanelWidth * k);
-      for (int64_t p = begin; p < end; ++p) {
-        const int64_t c0 = p * kPanelWidth, width = std::min(kPanelWidth, cols - c0);
-        for (int64_t c = 0; c < width; ++c)
-          for (int64_t b = 0; b < num_blocks; ++b) {
-            typename V::F wv[2 * V::kRegs];
-            FromBlocks<V, Q>::load(w + (c0 + c) * w_stride + b * Q::kBytes, wv);
-            for (int i = 0; i < 2 * V::kRegs; ++i)
-              V::store(&panel[c * k + b * kBlock + V::W * i], wv[i]);
-          }
-        // a tile's rows stay in L1 while they pass over the panel (in L2)
-        for (int64_t r = 0; r < rows; r += S::kPanelRows)
-          for (int64_t t = 0; t < width; t += S::kPanelCols) {
-            const float* wp[S::kPanelCols];
-            for (int c = 0; c < S::kPanelCols; ++c) wp[c] = &panel[std::min(t + c, width - 1) * k];
-            if (r + S::kPanelRows <= rows)
-              run_tile<V, FromPanel, S::kPanelRows, S::kPanelCols>(
-                  x, x_stride, rows, r, wp, c0 + t, c0 + width, num_blocks, out, cols);
-            else
-              for (int64_t rr = r; rr < rows; ++rr)
-                run_tile<V, FromPanel, 1, S::kPanelCols>(x, x_stride, rows, rr, wp, c0 + t,
-                                                            c0 + width, num_blocks, out, cols);
-          }
-      }
-    });
-    return;
-  }
+  if (rows >= kPanelMinRows)
+    return matmul_outer<V, Q>(x, x_stride, rows, w, w_stride, cols, num_blocks, out);
   // Two rows or more share each dequantized block: tiles of kRows rows, the rest in one tile of
   // as many rows. Dequantizing, not reading or multiplying, sets a tile's pace: measured on 2
   // Zen 5 cores (AVX-512, AMD EPYC family 26 model 2), a bundled-model decode step took 6.6 ms
@@ -293,19 +375,20 @@ void matmul_rows(const float* x, int64_t x_stride, int64_t rows, const uint8_t* 
       const uint8_t* wp[std::max(S::kLoneCols, S::kCols)];
       for (int64_t c = 0; c < C; ++c) wp[c] = w + std::min(ct * C + c, cols - 1) * w_stride;
       if (lone) {
-        run_tile<V, FromBlocks<V, Q>, 1, S::kLoneCols>(x, x_stride, rows, 0, wp, ct * C, cols,
-                                                       num_blocks, out, cols);
+        run_tile<V, Q, 1, S::kLoneCols>(x, x_stride, rows, 0, wp, ct * C, cols, num_blocks, out,
+                                       cols);
         continue;
       }
       int64_t r = 0;
       for (; r + S::kRows <= rows; r += S::kRows)
-        run_tile<V, FromBlocks<V, Q>, S::kRows, S::kCols>(x, x_stride, rows, r, wp, ct * C,
-                                                          cols, num_blocks, out, cols);
+        run_tile<V, Q, S::kRows, S::kCols>(x, x_stride, rows, r, wp, ct * C, cols, num_blocks,
+                                          out, cols);
       if (r < rows)
         run_rest<V, Q>(rows - r, x, x_stride, rows, r, wp, ct * C, cols, num_blocks, out);
     }
   });
 }
+#endif  // INHERENT_AVX2
 
 template <class Q>
 void matmul_rows_portable(const float* x, int64_t x_stride, int64_t rows, const uint8_t* w,
