@@ -11,7 +11,7 @@ from openai import OpenAI
 from rfc6962 import h_leaf, root_from_path, roots_from_consistency
 
 from engine.cpu_kernels import Bf16Linear
-from engine.model import native_bf16
+from engine.model import _BlockLinear, native_bf16
 from provenance.db import session_scope
 from provenance.hashing import canonical_json
 from provenance.models import AuditLeaf, Receipt
@@ -268,18 +268,17 @@ def test_metrics_and_health(api):
         assert name in text, name
 
 
-def test_default_mode_replay_reports_token_agreement_not_bits(api):
+def test_default_mode_replay_claims_bit_identical_answers(api):
+    """Batch-invariant mode is on by default wherever it runs (CPU, float32, the kernels): a
+    receipt records it, and its replay, in other batch shapes, claims and gets the same bits.
+    (What a receipt without the mode gets: tests/test_replay.py.)"""
     reply = api.chat("How much does the Plus plan cost?", max_tokens=8)
+    receipt = api.client.get(f"/v1/receipts/{reply['receipt_id']}", headers=api.auth()).json()
+    assert receipt["body"]["inherent.engine"]["batch_invariant"] is True
     response = api.client.post(f"/v1/receipts/{reply['receipt_id']}/replay", headers=api.auth())
     result = response.json()
-    # The default mode promises no bits: equal tokens read tokens_match, a near-tie flipped by
-    # the replay's other batch shapes reads diverged; never identical.
-    assert not result["bitwise_claim"] and result["context_verified"]
-    assert result["verdict"] in ("tokens_match", "diverged")
-    if result["verdict"] == "tokens_match":
-        assert (result["token_agreement"], result["first_divergent_token"]) == (1.0, None)
-    else:
-        assert result["token_agreement"] < 1.0 and result["first_divergent_token"] < 8
+    assert result["bitwise_claim"] and result["context_verified"]
+    assert (result["verdict"], result["token_agreement"]) == ("identical", 1.0)
 
 
 def test_audit_root_and_consistency_bodies_and_a_receipts_inclusion_proof_verify(api):
@@ -359,9 +358,12 @@ def test_receipt_records_the_dtypes_the_engine_runs(api):
     model, kv = runner.model, runner.kv_cache[0]
 
     def ran_in(linear) -> str:
-        # A GGUF-block matmul serves few rows from the quantized blocks (float32 activations)
-        # and hands larger batches to its dense matmul, whose dtype the receipt records.
-        linear = getattr(linear, "dense", None) or linear
+        # A GGUF-block matmul computes in float32 (activations and sums); with batch-invariant
+        # mode off it hands larger batches to its dense matmul, whose dtype the receipt records.
+        if isinstance(linear, _BlockLinear):
+            if linear.dense is None:
+                return "float32"
+            linear = linear.dense
         return "bfloat16" if isinstance(linear, Bf16Linear) else dtype_name(linear.dtype)
 
     assert recorded["dtype"] == dtype_name(model.dtype) == "float32"

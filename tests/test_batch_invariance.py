@@ -180,3 +180,18 @@ def test_linear_paths_are_row_invariant():
 def test_mode_settings_are_checked():
     with pytest.raises(ValueError, match="batch_invariant"):
         EngineConfig(batch_invariant=True, dtype="bfloat16")
+
+
+def test_the_mode_is_on_by_default_wherever_it_runs(monkeypatch):
+    """``batch_invariant="auto"`` (the default): on for float32 on the CPU with the kernels,
+    off where the mode cannot run (no kernels, other dtypes or devices), where ``True`` refuses."""
+    from engine import cpu_kernels
+
+    assert EngineConfig().batch_invariant is cpu_kernels.available()
+    assert EngineConfig(dtype="bfloat16").batch_invariant is False
+    assert EngineConfig(device="cuda").batch_invariant is False
+    assert EngineConfig(batch_invariant=False).batch_invariant is False
+    with pytest.raises(ValueError, match="needs dtype float32 on the CPU"):
+        EngineConfig(dtype="bfloat16", batch_invariant=True)
+    monkeypatch.setattr(cpu_kernels, "available", lambda: False)  # a host without a compiler
+    assert EngineConfig().batch_invariant is False
