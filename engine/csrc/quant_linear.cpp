@@ -313,7 +313,11 @@ void matmul_outer(const float* x, int64_t x_stride, int64_t rows, const uint8_t*
                   int64_t w_stride, int64_t cols, int64_t num_blocks, float* out) {
   using O = Outer<V>;
   const int64_t k = num_blocks * kBlock, steps = k / kLanes;
-  std::vector<float> xt(rows * k);  // each row's x by lane, so a lane's elements are adjacent
+  // each row's x by lane, so a lane's elements are adjacent; the calling thread's buffer (a
+  // thread_local named in the lambdas below would be each worker's own)
+  thread_local std::vector<float> by_lane;
+  by_lane.resize(rows * k);
+  float* const xt = by_lane.data();
   at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r)
       for (int64_t i = 0; i < k; ++i)
@@ -349,7 +353,7 @@ void matmul_outer(const float* x, int64_t x_stride, int64_t rows, const uint8_t*
       for (int64_t i = 0, r = 0; i < tiles; ++i) {
         const int64_t height = rows / tiles + (i < rows % tiles);
         for (int64_t t = 0; t < O::kPanel; t += O::kCols)
-          outer_rows<V>(height, xt.data(), k, r, panel.data(), t, c0, col_end, out, cols);
+          outer_rows<V>(height, xt, k, r, panel.data(), t, c0, col_end, out, cols);
         r += height;
       }
     }
