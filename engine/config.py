@@ -100,9 +100,12 @@ class EngineConfig:
 
     def __post_init__(self) -> None:
         # Rules between fields (pydantic has checked each field by now).
+        float32_on_cpu = self.dtype == "float32" and self.device.startswith("cpu")
         if self.batch_invariant == "auto":
-            self.batch_invariant = self._batch_invariance_runs()
-        if self.batch_invariant and (self.dtype != "float32" or not self.device.startswith("cpu")):
+            from engine import cpu_kernels  # builds the kernels once, or remembers why it cannot
+
+            self.batch_invariant = float32_on_cpu and cpu_kernels.available()
+        if self.batch_invariant and not float32_on_cpu:
             raise ValueError("batch_invariant needs dtype float32 on the CPU")
         if self.max_num_batched_tokens < self.max_num_seqs:
             # Decodes go first in running order: a budget below the seat count would starve
@@ -111,13 +114,6 @@ class EngineConfig:
                 f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= "
                 f"max_num_seqs ({self.max_num_seqs})"
             )
-
-    def _batch_invariance_runs(self) -> bool:
-        if self.dtype != "float32" or not self.device.startswith("cpu"):
-            return False
-        from engine import cpu_kernels  # builds the kernels once, or remembers why it cannot
-
-        return cpu_kernels.available()
 
     @property
     def prefill_chunk_cap(self) -> int:
