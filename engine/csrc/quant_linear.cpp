@@ -222,8 +222,8 @@ struct Outer {
   static constexpr int kRows = 6;               // rows x 2 registers of outputs: 12 accumulators
   static constexpr int kCols = 2 * V::W;        // outputs a tile
   static constexpr int kPanel = 2 * kCols;      // outputs a panel: x's rows serve two tiles
-  // floats from one lane's weights to the next's: a step more than they hold, so that lanes
-  // 4 KB apart do not share L1 sets
+  // floats from one lane's weights to the next's: a step more than they hold, so that lanes a
+  // multiple of 4 KB apart (12 KB at k = 1536) do not share L1 sets
   static int64_t lane_stride(int64_t steps) { return (steps + 1) * kPanel; }
 };
 
