@@ -45,6 +45,23 @@ def paged_case(seed, *, heads, kv_heads, head_dim, block_size, positions, dtype)
         positions, dtype=torch.int64)
 
 
+def prefill_case(seed, *, heads, kv_heads, head_dim, block_size, dtype):
+    """Rows as a mixed step has them: prefill chunks (one sequence's tokens at consecutive
+    positions, longer than a run of the kernel, from the start or mid-prompt) beside lone
+    decode rows and a short chunk, over a shuffled paged cache."""
+    runs = [(0, range(0, 38)), (1, range(100, 131)), (0, range(200, 201)), (2, range(3, 4)),
+            (1, range(5, 8))]
+    g = torch.Generator().manual_seed(seed)
+    per_seq = 210 // block_size + 1
+    num_blocks = 3 * per_seq + 2
+    cache = torch.randn(num_blocks, block_size, 2, kv_heads, head_dim, generator=g).to(dtype)
+    tables = torch.randperm(num_blocks, generator=g)[: 3 * per_seq].to(torch.int32).view(3, -1)
+    seq = torch.tensor([s for s, positions in runs for _ in positions], dtype=torch.int32)
+    positions = torch.tensor([p for _, run in runs for p in run], dtype=torch.int64)
+    q = torch.randn(len(seq), heads * head_dim, generator=g)
+    return q, cache, tables.contiguous(), seq, positions
+
+
 def dense_reference(q, cache, tables, seq, positions):
     """Plain float64 softmax attention of each row over its keys 0..position."""
     block_size, kv_heads, head_dim = cache.shape[1], cache.shape[3], cache.shape[4]
@@ -95,6 +112,26 @@ def test_vectorized_attention_computes_the_portable_bits(path, dtype, heads, kv_
         fast = kernel.paged_attention(*case, head_dim**-0.5, path=path)
         portable = kernel.paged_attention(*case, head_dim**-0.5, path="portable")
         assert torch.equal(fast, portable)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("heads", "kv_heads", "head_dim", "block_size"), SHAPES)
+def test_prefill_chunks_compute_each_rows_bits_alone(dtype, heads, kv_heads, head_dim,
+                                                      block_size):
+    """A prefill chunk's tokens share each key they read (runs of consecutive positions), and
+    each token's output is still the bits it has alone, on every path, and attention."""
+    case = prefill_case(2, heads=heads, kv_heads=kv_heads, head_dim=head_dim,
+                        block_size=block_size, dtype=dtype)
+    q, cache, tables, seq, positions = case
+    portable = kernel.paged_attention(*case, head_dim**-0.5, path="portable")
+    torch.testing.assert_close(portable.double(), dense_reference(*case), rtol=0, atol=2e-5)
+    for path in kernel.available_paths():
+        together = kernel.paged_attention(*case, head_dim**-0.5, path=path)
+        assert torch.equal(together, portable), path
+        for r in range(q.shape[0]):
+            alone = kernel.paged_attention(q[r : r + 1], cache, tables, seq[r : r + 1],
+                                           positions[r : r + 1], head_dim**-0.5, path=path)
+            assert torch.equal(alone[0], together[r]), (path, r)
 
 
 def test_the_widest_path_runs_by_default_and_the_env_var_forces_one(monkeypatch):
