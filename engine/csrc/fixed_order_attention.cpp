@@ -203,7 +203,8 @@ void values_avx2(const Token<T>& t, int64_t first, int64_t v_offset, int64_t d0,
   __m256 acc[kHeads][kChunks];
   for (int h = 0; h < kHeads; ++h)
     for (int c = 0; c < kChunks; ++c)
-      acc[h][c] = j0 == 0 ? _mm256_setzero_ps() : _mm256_loadu_ps(t.out + (first + h) * t.D + d0 + 8 * c);
+      acc[h][c] = j0 == 0 ? _mm256_setzero_ps()
+                          : _mm256_loadu_ps(t.out + (first + h) * t.D + d0 + 8 * c);
   const float* w = t.scores + first * t.padded;
   for (int64_t j = j0; j < j1; ++j) {
     const T* v = t.keys[j] + v_offset + d0;
@@ -227,7 +228,8 @@ inline void key_tile_avx2(const T* const* keys, int64_t first, int64_t kv_heads,
   for (int j = 0; j < kKeys; ++j)
     for (int64_t g = 0; g < kv_heads; ++g)
       for (int c = 0; c < 2 * kChunks; ++c)
-        _mm256_storeu_ps(tile + (g * kKeys + j) * D + 8 * c, load8(keys[first + j] + g * D + 8 * c));
+        _mm256_storeu_ps(tile + (g * kKeys + j) * D + 8 * c,
+                         load8(keys[first + j] + g * D + 8 * c));
 }
 
 // Token t's scores of keys first..first + 7, every head, from their key tile.
