@@ -384,11 +384,12 @@ torch::Tensor paged_attention(torch::Tensor q, torch::Tensor cache, torch::Tenso
 
   // Runs: a token and the next ones of its sequence at the next positions (a prefill chunk's),
   // kRunTokens at most, computed together (attend). On the AVX2 path a run reads each key once
-  // for all its tokens, so its cost is the keys it reads plus the keys each token scores; a
-  // lone token (a decode) reads every key it scores. Threads take contiguous runs holding equal
-  // shares of that cost: an even split by token count can leave one thread the long contexts,
-  // and one by keys scored left the thread with the decodes ~1.5x the work of the other in a
-  // mixed step. Which thread computes a token, and in which run, never changes its bits.
+  // for all its tokens (on the others its later tokens find the keys in cache), so its cost is
+  // the keys it reads plus the keys each token scores; a lone token (a decode) reads every key
+  // it scores (on a Zen 3 core 0.11-0.14 us a key against 0.06-0.08 in a run). Threads take
+  // contiguous runs holding equal shares of that cost: an even split by token count can leave
+  // one thread the long contexts, and one by keys scored gives the thread with a mixed step's
+  // decodes more work. Which thread computes a token, and in which run, never changes its bits.
   std::vector<int64_t> run_at;  // each run's first token, then num_tokens
   std::vector<int64_t> cost;  // the runs' cumulative cost
   for (int64_t t = 0, total = 0; t < num_tokens;) {
