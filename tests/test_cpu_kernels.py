@@ -59,7 +59,7 @@ def prefill_case(seed, *, heads, kv_heads, head_dim, block_size, dtype):
     seq = torch.tensor([s for s, positions in runs for _ in positions], dtype=torch.int32)
     positions = torch.tensor([p for _, run in runs for p in run], dtype=torch.int64)
     q = torch.randn(len(seq), heads * head_dim, generator=g)
-    return q, cache, tables.contiguous(), seq, positions
+    return q, cache, tables, seq, positions
 
 
 def dense_reference(q, cache, tables, seq, positions):
