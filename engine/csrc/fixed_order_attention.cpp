@@ -11,21 +11,26 @@
 //                 q[h][d] * k[j][d], tree = lanes_sum's fixed pairing of the 16 lanes;
 //   softmax     = max, Cephes exp (explicit FMAs), a 16-lane sum, one multiply by 1 / total;
 //   out[h][d]   = fma chain over keys j = 0..position of weight[h][j] * v[j][d].
-// Three implementations (engine/csrc/simd.h): a portable one (the reference, and the fallback
-// for head sizes the others do not cover), an AVX-512 one that handles 16 keys at a time (16 dot
-// products' lane vectors are summed by one transposing tree whose additions are lanes_sum's,
-// instead of 16 horizontal sums, and V is accumulated in registers) and an AVX2 one that does
-// the same 8 keys at a time, each 16-lane vector held in two registers. Tests compare them bit
-// for bit. Built with -ffp-contract=off so the compiler fuses nothing we did not write.
+// Two implementations (engine/csrc/simd.h): a portable one (the reference, and the fallback for
+// head sizes the other does not cover) and a vectorized one, written once over the vector type
+// and built for AVX-512 (16 keys at a time) and AVX2 (8 keys, each 16-lane vector held in two
+// registers): a tile's dot products' lane vectors are summed by one transposing tree whose
+// additions are lanes_sum's, instead of a horizontal sum each, and V is accumulated in
+// registers. Tests compare the paths bit for bit. Built with -ffp-contract=off so the compiler
+// fuses nothing we did not write.
 //
-// A prefill chunk's tokens read the same keys: the AVX2 path takes up to kRunTokens of them at
-// consecutive positions as one run, converts each tile of keys once for the run and adds V in
-// blocks every token of the run takes while they are in L1. Only the loops around a token's
-// operations change, never their order. Measured on 2 Zen 3 cores (AVX2, AMD EPYC family 25
-// model 1), the bundled model's heads, float32 cache, median of 60 calls in three alternations:
-// 176 tokens of one prompt at 200-375, 2.7-3.0 ms before, 1.6-1.9 ms with runs; a serving step's
-// 16 decodes at 450 beside 40 prompt tokens, 1.5-1.6 ms before, 0.65-1.2 ms (with the thread
-// split below); 16 decodes alone the same (0.45-0.57 ms either way).
+// A prefill chunk's tokens read the same keys: the vectorized path takes up to kRunTokens of
+// them at consecutive positions as one run, converts each tile of keys once for the run and adds
+// V in blocks every token of the run takes while they are in L1. Only the loops around a token's
+// operations change, never their order. The bundled model's heads, float32 cache, 2 threads,
+// median of 60 calls (several alternations) before and with runs:
+//   - AVX2 on 2 Zen 3 cores (AMD EPYC family 25 model 1): 176 tokens of one prompt at 200-375,
+//     2.7-3.0 ms before, 1.6-1.9 ms with runs; a serving step's 16 decodes at 450 beside 40
+//     prompt tokens, 1.5-1.6 ms before, 0.65-1.2 ms (with the thread split below); 16 decodes
+//     alone the same (0.45-0.57 ms either way);
+//   - AVX-512 on 2 Ice Lake cores (Intel Xeon family 6 model 106, no bf16), five alternations'
+//     medians: 176 tokens 3.2 ms before, 2.2 ms; 512 tokens at 0-511 8.6 ms, 5.2 ms; 16 decodes
+//     beside 40 prompt tokens 1.8 ms, 1.5 ms; 16 decodes alone 0.61 ms, 0.62 ms.
 #include "simd.h"
 
 #include <ATen/Parallel.h>
@@ -110,150 +115,78 @@ inline void prefetch_slot(const T* slot, int64_t bytes) {
 }
 #endif
 
-// ---- AVX-512 implementation (head sizes 64 and 128) -----------------------------------------
+// ---- Vectorized implementation (head sizes 64 and 128), V = Avx2 or Avx512 (simd.h) ----------
 
-#if defined(INHERENT_AVX512)
+#if defined(INHERENT_AVX2) || defined(INHERENT_AVX512)
 
-inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
-inline __m512 load16(const uint16_t* p) {
-  const __m256i bits = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
-}
-
-// Weighted sums of V for `kHeads` query heads (first..first + kHeads - 1) of one KV head,
-// accumulated in registers over every key.
-template <int kChunks, int kHeads, typename T>
-void values(const Token<T>& t, int64_t first, int64_t v_offset) {
-  __m512 acc[kHeads][kChunks];
-  for (int h = 0; h < kHeads; ++h)
-    for (int c = 0; c < kChunks; ++c) acc[h][c] = _mm512_setzero_ps();
-  const float* w = t.scores + first * t.padded;
-  for (int64_t j = 0; j < t.n; ++j) {
-    const T* v = t.keys[j] + v_offset;
-    __m512 vj[kChunks];
-    for (int c = 0; c < kChunks; ++c) vj[c] = load16(v + 16 * c);
-    for (int h = 0; h < kHeads; ++h) {
-      const __m512 wj = _mm512_set1_ps(w[h * t.padded + j]);
-      for (int c = 0; c < kChunks; ++c) acc[h][c] = _mm512_fmadd_ps(wj, vj[c], acc[h][c]);
-    }
-  }
-  for (int h = 0; h < kHeads; ++h)
-    for (int c = 0; c < kChunks; ++c)
-      _mm512_storeu_ps(t.out + (first + h) * t.D + 16 * c, acc[h][c]);
-}
-
-
-template <int kChunks, typename T>
-void attend_avx512(const Token<T>& t, std::vector<float>& tile) {
-  constexpr int D = 16 * kChunks;
-  const int64_t kv_heads = t.heads / t.group, slot_bytes = 2 * t.v_offset * sizeof(T);
-  tile.resize(kLanes * kv_heads * D);
-  const __m512 scale = _mm512_set1_ps(t.scale);
-  for (int j = 0; j < kLanes; ++j) prefetch_slot(t.keys[j], slot_bytes);
-  for (int64_t first = 0; first < t.n; first += kLanes) {
-    if (first + kLanes < t.padded)
-      for (int j = 0; j < kLanes; ++j) prefetch_slot(t.keys[first + kLanes + j], slot_bytes);
-    // these 16 keys of every KV head as float ([head][key][D]), read once for all query heads
-    for (int j = 0; j < kLanes; ++j)
-      for (int64_t g = 0; g < kv_heads; ++g)
-        for (int c = 0; c < kChunks; ++c)
-          _mm512_storeu_ps(tile.data() + (g * kLanes + j) * D + 16 * c,
-                           load16(t.keys[first + j] + g * D + 16 * c));
-    for (int64_t h = 0; h < t.heads; ++h) {
-      const float* k = tile.data() + h / t.group * kLanes * D;
-      __m512 qh[kChunks], lanes[kLanes];
-      for (int c = 0; c < kChunks; ++c) qh[c] = _mm512_loadu_ps(t.q + h * D + 16 * c);
-      for (int j = 0; j < kLanes; ++j) {
-        __m512 a = _mm512_setzero_ps();
-        for (int c = 0; c < kChunks; ++c)
-          a = _mm512_fmadd_ps(qh[c], _mm512_loadu_ps(k + j * D + 16 * c), a);
-        lanes[j] = a;
-      }
-      _mm512_storeu_ps(t.scores + h * t.padded + first, _mm512_mul_ps(Avx512::sum(lanes), scale));
-    }
-  }
-  for (int64_t h = 0; h < t.heads; ++h) softmax(t.scores + h * t.padded, t.n);
-  // Query heads sharing a KV head in register-sized groups (16 accumulators at most).
-  constexpr int kMaxHeads = 16 / kChunks;
-  for (int64_t g = 0; g < kv_heads; ++g)
-    for (int64_t h = g * t.group; h < (g + 1) * t.group; h += kMaxHeads) {
-      const int64_t count = std::min<int64_t>(kMaxHeads, (g + 1) * t.group - h);
-      const int64_t v_offset = t.v_offset + g * D;
-      switch (count) {
-        case 1: values<kChunks, 1>(t, h, v_offset); break;
-        case 2: values<kChunks, 2>(t, h, v_offset); break;
-        case 3: values<kChunks, 3>(t, h, v_offset); break;
-        default: values<kChunks, 4>(t, h, v_offset); break;
-      }
-    }
-}
-#endif
-
-// ---- AVX2 implementation (head sizes 64 and 128) --------------------------------------------
-
-#if defined(INHERENT_AVX2)
-inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
-inline __m256 load8(const uint16_t* p) { return Avx2::load(p); }
-
-// Weighted sums of V for `kHeads` query heads (first..) over dimensions d0..d0 + 8 kChunks - 1,
+// Weighted sums of V for `kHeads` query heads (first..) over dimensions d0..d0 + 4 W - 1,
 // keys j0..j1 - 1 added to the sums of keys 0..j0 - 1 (in t.out, kept there between calls).
-template <int kChunks, int kHeads, typename T>
-void values_avx2(const Token<T>& t, int64_t first, int64_t v_offset, int64_t d0, int64_t j0,
-                 int64_t j1) {
-  __m256 acc[kHeads][kChunks];
+template <class V, int kHeads, typename T>
+void values(const Token<T>& t, int64_t first, int64_t v_offset, int64_t d0, int64_t j0,
+            int64_t j1) {
+  using F = typename V::F;
+  F acc[kHeads][4];
   for (int h = 0; h < kHeads; ++h)
-    for (int c = 0; c < kChunks; ++c)
-      acc[h][c] = j0 == 0 ? _mm256_setzero_ps()
-                          : _mm256_loadu_ps(t.out + (first + h) * t.D + d0 + 8 * c);
+    for (int c = 0; c < 4; ++c)
+      acc[h][c] = j0 == 0 ? V::zero() : V::load(t.out + (first + h) * t.D + d0 + V::W * c);
   const float* w = t.scores + first * t.padded;
   for (int64_t j = j0; j < j1; ++j) {
     const T* v = t.keys[j] + v_offset + d0;
-    __m256 vj[kChunks];
-    for (int c = 0; c < kChunks; ++c) vj[c] = load8(v + 8 * c);
+    F vj[4];
+    for (int c = 0; c < 4; ++c) vj[c] = V::load(v + V::W * c);
     for (int h = 0; h < kHeads; ++h) {
-      const __m256 wj = _mm256_set1_ps(w[h * t.padded + j]);
-      for (int c = 0; c < kChunks; ++c) acc[h][c] = _mm256_fmadd_ps(wj, vj[c], acc[h][c]);
+      const F wj = V::set1(w[h * t.padded + j]);
+      for (int c = 0; c < 4; ++c) acc[h][c] = V::fma(wj, vj[c], acc[h][c]);
     }
   }
   for (int h = 0; h < kHeads; ++h)
-    for (int c = 0; c < kChunks; ++c)
-      _mm256_storeu_ps(t.out + (first + h) * t.D + d0 + 8 * c, acc[h][c]);
+    for (int c = 0; c < 4; ++c) V::store(t.out + (first + h) * t.D + d0 + V::W * c, acc[h][c]);
 }
 
-// Keys first..first + 7 of every KV head as float, [head][key][D]: read once for every query
-// head (and every token of a run) that scores them.
-template <int kChunks, typename T>
-inline void key_tile_avx2(const T* const* keys, int64_t first, int64_t kv_heads, float* tile) {
-  constexpr int D = 16 * kChunks, kKeys = 8;
-  for (int j = 0; j < kKeys; ++j)
+// values() for `count` heads, 1..kMax, with the register count fixed at compile time.
+template <class V, int kMax, typename T>
+inline void values_of(int64_t count, const Token<T>& t, int64_t first, int64_t v_offset,
+                      int64_t d0, int64_t j0, int64_t j1) {
+  if constexpr (kMax > 1)
+    if (count < kMax) return values_of<V, kMax - 1>(count, t, first, v_offset, d0, j0, j1);
+  values<V, kMax>(t, first, v_offset, d0, j0, j1);
+}
+
+// Keys first..first + W - 1 of every KV head as float, [head][key][D]: read once for every
+// query head (and every token of a run) that scores them.
+template <class V, int D, typename T>
+inline void key_tile(const T* const* keys, int64_t first, int64_t kv_heads, float* tile) {
+  for (int j = 0; j < V::W; ++j)
     for (int64_t g = 0; g < kv_heads; ++g)
-      for (int c = 0; c < 2 * kChunks; ++c)
-        _mm256_storeu_ps(tile + (g * kKeys + j) * D + 8 * c,
-                         load8(keys[first + j] + g * D + 8 * c));
+      for (int c = 0; c < D / V::W; ++c)
+        V::store(tile + (g * V::W + j) * D + V::W * c,
+                 V::load(keys[first + j] + g * D + V::W * c));
 }
 
-// Token t's scores of keys first..first + 7, every head, from their key tile.
-template <int kChunks, typename T>
-inline void scores_avx2(const Token<T>& t, const float* tile, int64_t first) {
-  constexpr int D = 16 * kChunks, kKeys = 8;
-  const __m256 scale = _mm256_set1_ps(t.scale);
+// Token t's scores of keys first..first + W - 1, every head, from their key tile. A key's 16
+// lanes are kRegs registers; kAtOnce keys at once keep 8 independent FMA chains in flight.
+template <class V, int D, typename T>
+inline void scores(const Token<T>& t, const float* tile, int64_t first) {
+  using F = typename V::F;
+  constexpr int kRegs = V::kRegs, kAtOnce = 8 / kRegs;
+  const F scale = V::set1(t.scale);
   for (int64_t h = 0; h < t.heads; ++h) {
-    const float* k = tile + h / t.group * kKeys * D;
+    const float* k = tile + h / t.group * V::W * D;
     const float* q = t.q + h * D;
-    __m256 halves[kKeys];
-    for (int j0 = 0; j0 < kKeys; j0 += 4) {  // 4 keys at once: 8 independent FMA chains
-      __m256 lo[4], hi[4];  // lanes 0-7, 8-15 of each key's dot product
-      for (int j = 0; j < 4; ++j) lo[j] = hi[j] = _mm256_setzero_ps();
-      for (int c = 0; c < kChunks; ++c) {
-        const __m256 q_lo = load8(q + 16 * c), q_hi = load8(q + 16 * c + 8);
-        for (int j = 0; j < 4; ++j) {
-          lo[j] = _mm256_fmadd_ps(q_lo, load8(k + (j0 + j) * D + 16 * c), lo[j]);
-          hi[j] = _mm256_fmadd_ps(q_hi, load8(k + (j0 + j) * D + 16 * c + 8), hi[j]);
+    F folded[V::W];
+    for (int j0 = 0; j0 < V::W; j0 += kAtOnce) {
+      F acc[kAtOnce][kRegs];
+      for (int j = 0; j < kAtOnce; ++j)
+        for (int r = 0; r < kRegs; ++r) acc[j][r] = V::zero();
+      for (int d = 0; d < D; d += kLanes)
+        for (int r = 0; r < kRegs; ++r) {
+          const F qd = V::load(q + d + V::W * r);
+          for (int j = 0; j < kAtOnce; ++j)
+            acc[j][r] = V::fma(qd, V::load(k + (j0 + j) * D + d + V::W * r), acc[j][r]);
         }
-      }
-      for (int j = 0; j < 4; ++j) halves[j0 + j] = _mm256_add_ps(lo[j], hi[j]);
+      for (int j = 0; j < kAtOnce; ++j) folded[j0 + j] = V::fold(acc[j]);
     }
-    _mm256_storeu_ps(t.scores + h * t.padded + first, _mm256_mul_ps(Avx2::sum(halves), scale));
+    V::store(t.scores + h * t.padded + first, V::mul(V::sum(folded), scale));
   }
 }
 
@@ -265,24 +198,25 @@ constexpr int64_t kRunValueKeys = 64;
 // last token's keys serve all) or a lone token: each key tile is made once for all of them,
 // and V is read in blocks that every token adds before the next. A token's arithmetic is the
 // same whatever its run: its scores, softmax and sums are these operations in this order.
-template <int kChunks, typename T>
-void attend_avx2(const Token<T>* tokens, int64_t count, std::vector<float>& tile) {
-  constexpr int D = 16 * kChunks, kKeys = 8;
+template <class V, int D, typename T>
+void attend_vectorized(const Token<T>* tokens, int64_t count, std::vector<float>& tile) {
+  // a values() pass: 4 registers of dimensions for up to kHeads query heads, so 8 of AVX2's
+  // 16 registers or 16 of AVX-512's 32 hold sums
+  constexpr int kDims = 4 * V::W, kHeads = V::W == 16 ? 4 : 2;
   const Token<T>& last = tokens[count - 1];
   const int64_t kv_heads = last.heads / last.group, slot_bytes = 2 * last.v_offset * sizeof(T);
-  tile.resize(kKeys * kv_heads * D);
+  tile.resize(V::W * kv_heads * D);
   for (int j = 0; j < kLanes; ++j) prefetch_slot(last.keys[j], slot_bytes);
-  for (int64_t first = 0; first < last.n; first += kKeys) {
+  for (int64_t first = 0; first < last.n; first += V::W) {
     if (first % kLanes == 0 && first + kLanes < last.padded)
       for (int j = 0; j < kLanes; ++j) prefetch_slot(last.keys[first + kLanes + j], slot_bytes);
-    key_tile_avx2<kChunks>(last.keys, first, kv_heads, tile.data());
+    key_tile<V, D>(last.keys, first, kv_heads, tile.data());
     for (int64_t i = count - 1; i >= 0 && first < tokens[i].n; --i)  // the longest first
-      scores_avx2<kChunks>(tokens[i], tile.data(), first);
+      scores<V, D>(tokens[i], tile.data(), first);
   }
   for (int64_t i = 0; i < count; ++i)
     for (int64_t h = 0; h < last.heads; ++h)
       softmax(tokens[i].scores + h * tokens[i].padded, tokens[i].n);
-  // 32 dimensions of up to 2 query heads per pass: 8 accumulators, 4 V registers
   const int64_t block = count == 1 ? last.n : kRunValueKeys;
   for (int64_t g = 0; g < kv_heads; ++g)
     for (int64_t j0 = 0; j0 < last.n; j0 += block)
@@ -290,13 +224,10 @@ void attend_avx2(const Token<T>* tokens, int64_t count, std::vector<float>& tile
         const Token<T>& t = tokens[i];
         if (j0 >= t.n) continue;
         const int64_t j1 = std::min(j0 + block, t.n), v_offset = t.v_offset + g * D;
-        for (int64_t h = g * t.group; h < (g + 1) * t.group; h += 2)
-          for (int64_t d0 = 0; d0 < D; d0 += 32) {
-            if ((g + 1) * t.group - h >= 2)
-              values_avx2<4, 2>(t, h, v_offset, d0, j0, j1);
-            else
-              values_avx2<4, 1>(t, h, v_offset, d0, j0, j1);
-          }
+        for (int64_t h = g * t.group; h < (g + 1) * t.group; h += kHeads)
+          for (int64_t d0 = 0; d0 < D; d0 += kDims)
+            values_of<V, kHeads>(std::min<int64_t>(kHeads, (g + 1) * t.group - h), t, h,
+                                 v_offset, d0, j0, j1);
       }
 }
 #endif
@@ -332,15 +263,17 @@ void attend(const Layout& L, const float* q, int64_t q_stride, float* out, int64
     tokens.push_back({q + i * q_stride, out + i * heads * D, keys.data(), position + 1 + i,
                       pad(position + 1 + i), heads, heads / L.kv_heads, D, L.v_offset, scale,
                       scores.data() + i * heads * padded});
+#if defined(INHERENT_AVX512)
+  if (path == Path::kAvx512 && (D == 64 || D == 128))
+    return D == 64 ? attend_vectorized<Avx512, 64>(tokens.data(), count, scratch)
+                   : attend_vectorized<Avx512, 128>(tokens.data(), count, scratch);
+#endif
 #if defined(INHERENT_AVX2)
-  if (path == Path::kAvx2 && D == 64) return attend_avx2<4>(tokens.data(), count, scratch);
-  if (path == Path::kAvx2 && D == 128) return attend_avx2<8>(tokens.data(), count, scratch);
+  if (path == Path::kAvx2 && (D == 64 || D == 128))
+    return D == 64 ? attend_vectorized<Avx2, 64>(tokens.data(), count, scratch)
+                   : attend_vectorized<Avx2, 128>(tokens.data(), count, scratch);
 #endif
   for (const Token<T>& t : tokens) {
-#if defined(INHERENT_AVX512)
-    if (path == Path::kAvx512 && D == 64) { attend_avx512<4>(t, scratch); continue; }
-    if (path == Path::kAvx512 && D == 128) { attend_avx512<8>(t, scratch); continue; }
-#endif
     if (D == 64) attend_portable<64>(t, scratch);
     else if (D == 128) attend_portable<128>(t, scratch);
     else attend_portable<0>(t, scratch);
@@ -383,9 +316,9 @@ torch::Tensor paged_attention(torch::Tensor q, torch::Tensor cache, torch::Tenso
   const float fscale = static_cast<float>(scale);
 
   // Runs: a token and the next ones of its sequence at the next positions (a prefill chunk's),
-  // kRunTokens at most, computed together (attend). On the AVX2 path a run reads each key once
-  // for all its tokens (on the others its later tokens find the keys in cache), so its cost is
-  // the keys it reads plus the keys each token scores; a lone token (a decode) reads every key
+  // kRunTokens at most, computed together (attend). On the vectorized path a run reads each key
+  // once for all its tokens (on the portable one its later tokens find the keys in cache), so
+  // its cost is the keys it reads plus the keys each token scores; a lone token (a decode) reads every key
   // it scores (on a Zen 3 core 0.11-0.14 us a key against 0.06-0.08 in a run). Threads take
   // contiguous runs holding equal shares of that cost: an even split by token count can leave
   // one thread the long contexts, and one by keys scored gives the thread with a mixed step's
