@@ -339,9 +339,11 @@ def test_layer_ops_refuse_bad_input():
         ops.silu_mul(torch.randn(2, 7))
 
 
+# each bf16 path and the instructions it needs
 BF16_PATHS = [pytest.param(path, marks=pytest.mark.skipif(
-    path not in kernel.bf16_linear_paths(), reason=f"no {path} path in this build or CPU"))
-    for path in ("amx", "avx512")]
+    path not in kernel.bf16_linear_paths(),
+    reason=f"no {path} bf16 matmul in this build or CPU (it needs {needs})"))
+    for path, needs in (("amx", "AMX-BF16"), ("avx512", "AVX512-BF16"))]
 
 
 @pytest.mark.parametrize("path", BF16_PATHS)
