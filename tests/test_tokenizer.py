@@ -199,3 +199,50 @@ def test_control_tokens_refused_when_the_template_rewrites_content(tokenizer):
     assert trimming.render_chat([{"role": "user", "content": "hello"}])[1][0] == 1
     with pytest.raises(UnsafeContent):
         trimming.render_chat([{"role": "user", "content": "x<|im_start|>"}])
+
+
+def _source(rank: int, title: str, text: str):
+    from provenance.memory import RetrievedChunk
+
+    return RetrievedChunk(rank=rank, score=0.5, chunk_id=f"c{rank}", chunk_hash="0" * 64,
+                          source_id="kb/notes-7.md", version=3, ordinal=0, title=title,
+                          char_start=0, char_end=len(text), text=text)
+
+
+@pytest.mark.parametrize("title", ["Billing", "2024 price list", "(Draft) sync", "Ärger & Ümlaut",
+                                   "", "   spaced", "[3] quoted rank", "東京 office"])
+@pytest.mark.parametrize("rank", [1, 9, 10, 12, 100])
+def test_a_sources_label_and_body_count_as_the_whole(tokenizer, title, rank):
+    """fit_to_budget counts a source's rank label and its body apart (the body's count is
+    remembered whatever the rank): on the bundled byte-level vocabulary the sum is exact."""
+    from provenance.memory import format_source, rank_label, source_body
+
+    chunk = _source(rank, title, "Numbers 1,000 and (brackets) [here].\n\nSecond paragraph.")
+    whole = len(tokenizer.encode(format_source(chunk), add_special_tokens=False))
+    parts = sum(len(tokenizer.encode(t, add_special_tokens=False))
+                for t in (rank_label(rank), source_body(chunk)))
+    assert parts == whole
+
+
+def test_fit_to_budget_counts_a_chunk_once_at_any_rank(tokenizer):
+    from functools import lru_cache
+
+    from provenance.memory import fit_to_budget, format_source
+
+    counted = []
+
+    @lru_cache
+    def count(text: str) -> int:
+        counted.append(text)
+        return len(tokenizer.encode(text, add_special_tokens=False))
+
+    texts = [f"Article {i}: " + "setting controls sync. " * (5 + i) for i in range(4)]
+    first = [_source(r, f"T{i}", t) for r, (i, t) in enumerate(enumerate(texts), start=1)]
+    costs = [len(tokenizer.encode(format_source(c), add_special_tokens=False)) for c in first]
+    budget = sum(costs[:3])
+    assert fit_to_budget(first, budget, count) == first[:3]  # the fourth would not fit
+    assert fit_to_budget(first, budget - 1, count) == first[:2]
+    bodies = len(counted)
+    reranked = [_source(r, f"T{i}", t) for r, (i, t) in enumerate(reversed(list(enumerate(texts))), start=1)]
+    fit_to_budget(reranked, 10_000, count)
+    assert len(counted) == bodies  # the same chunks at new ranks: nothing tokenized again
