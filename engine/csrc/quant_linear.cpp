@@ -215,11 +215,15 @@ void run_rest(int64_t left, const float* x, int64_t x_stride, int64_t rows, int6
 // the dequantized weights: at 8 rows 0.96-0.99 against 1.07-1.16 ms (oneDNN 0.9); 32 rows
 // 1.99 against 2.31-2.38 (1.8-2.0); 192 rows 9.2 against 12.6-12.8 (8.6-9.3); 512 rows 24.5
 // against 32.5-33.5 (22.8-23.5). The tiles took 0.80-1.09 ms at 6-7 rows, the panel 0.77-0.97.
+// AVX-512 has 32 registers: tiles of 12 rows (24 sums, 24 FMAs to 14 loads). On 2 Ice Lake cores
+// (Intel Xeon family 6 model 106, no bf16), bench.model_step --crossover-only, three alternated
+// runs, against 6 rows: 128 rows 6.3-7.7 against 7.5-7.6 ms, 256 rows 10.8-12.1 against
+// 13.0-17.0, 512 rows 17.6-22.3 against 24.6-30.9 (oneDNN 12.5-18.9 in the same runs).
 constexpr int64_t kPanelMinRows = 8;
 
 template <class V>
 struct Outer {
-  static constexpr int kRows = 6;               // rows x 2 registers of outputs: 12 accumulators
+  static constexpr int kRows = V::W == 16 ? 12 : 6;  // x 2 registers of outputs: 24 or 12 sums
   static constexpr int kCols = 2 * V::W;        // outputs a tile
   static constexpr int kPanel = 2 * kCols;      // outputs a panel: x's rows serve two tiles
   // floats from one lane's weights to the next's: a step more than they hold, so that lanes a
