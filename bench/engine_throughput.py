@@ -19,8 +19,8 @@ roofline (the bytes a decode step reads, in the format the engine reads them, / 
 engine's measured batch-1 decode step, and the greedy agreement between the sides. The last line
 is one JSON object.
 
-    flock /tmp/inherent-bench.lock .venv/bin/python bench/engine_throughput.py
-    flock /tmp/inherent-bench.lock .venv/bin/python bench/engine_throughput.py \
+    flock /tmp/inherent-bench.lock .venv/bin/python -m bench.engine_throughput
+    flock /tmp/inherent-bench.lock .venv/bin/python -m bench.engine_throughput \
         --num-requests 16 --hf-requests 8          # a quick run
 """
 

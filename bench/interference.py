@@ -16,7 +16,7 @@ load), TPOT p50/p99 over all requests, ITL p99 over all tokens, output throughpu
 diagnosis. The last line is one JSON object: the chunked/unchunked ratios (median over rounds),
 each round's ratios, and their spread ((max - min) / median).
 
-    flock /tmp/inherent-bench.lock .venv/bin/python bench/interference.py
+    flock /tmp/inherent-bench.lock .venv/bin/python -m bench.interference
 """
 
 import argparse

@@ -1,6 +1,6 @@
 """Micro-benchmark of one model step: decode latency against the memory roofline, prefill rate.
 
-    flock /tmp/inherent-bench.lock .venv/bin/python bench/model_step.py [--load] [--baseline]
+    flock /tmp/inherent-bench.lock .venv/bin/python -m bench.model_step [--load] [--baseline]
 
 Prints, for the bundled SmolLM2-135M (fp32, and bf16 where this CPU does bf16 natively):
 * the memory read bandwidth measured in this run, and the batch-1 decode roofline it implies
