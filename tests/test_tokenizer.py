@@ -237,12 +237,12 @@ def test_fit_to_budget_counts_a_chunk_once_at_any_rank(tokenizer):
         return len(tokenizer.encode(text, add_special_tokens=False))
 
     texts = [f"Article {i}: " + "setting controls sync. " * (5 + i) for i in range(4)]
-    first = [_source(r, f"T{i}", t) for r, (i, t) in enumerate(enumerate(texts), start=1)]
+    first = [_source(i + 1, f"T{i}", t) for i, t in enumerate(texts)]
     costs = [len(tokenizer.encode(format_source(c), add_special_tokens=False)) for c in first]
     budget = sum(costs[:3])
     assert fit_to_budget(first, budget, count) == first[:3]  # the fourth would not fit
     assert fit_to_budget(first, budget - 1, count) == first[:2]
     bodies = len(counted)
-    reranked = [_source(r, f"T{i}", t) for r, (i, t) in enumerate(reversed(list(enumerate(texts))), start=1)]
+    reranked = [_source(rank, c.title, c.text) for rank, c in enumerate(reversed(first), start=1)]
     fit_to_budget(reranked, 10_000, count)
     assert len(counted) == bodies  # the same chunks at new ranks: nothing tokenized again
