@@ -119,28 +119,32 @@ inline void prefetch_slot(const T* slot, int64_t bytes) {
 
 #if defined(INHERENT_AVX2) || defined(INHERENT_AVX512)
 
-// Weighted sums of V for `kHeads` query heads (first..) over dimensions d0..d0 + 4 W - 1,
-// keys j0..j1 - 1 added to the sums of keys 0..j0 - 1 (in t.out, kept there between calls).
+// Registers of dimensions a values() pass sums for each of its query heads.
+constexpr int kValueRegs = 4;
+
+// Weighted sums of V for `kHeads` query heads (first..) over dimensions d0..d0 + kValueRegs W
+// - 1, keys j0..j1 - 1 added to the sums of keys 0..j0 - 1 (in t.out, kept there between calls).
 template <class V, int kHeads, typename T>
 void values(const Token<T>& t, int64_t first, int64_t v_offset, int64_t d0, int64_t j0,
             int64_t j1) {
   using F = typename V::F;
-  F acc[kHeads][4];
+  F acc[kHeads][kValueRegs];
   for (int h = 0; h < kHeads; ++h)
-    for (int c = 0; c < 4; ++c)
+    for (int c = 0; c < kValueRegs; ++c)
       acc[h][c] = j0 == 0 ? V::zero() : V::load(t.out + (first + h) * t.D + d0 + V::W * c);
   const float* w = t.scores + first * t.padded;
   for (int64_t j = j0; j < j1; ++j) {
     const T* v = t.keys[j] + v_offset + d0;
-    F vj[4];
-    for (int c = 0; c < 4; ++c) vj[c] = V::load(v + V::W * c);
+    F vj[kValueRegs];
+    for (int c = 0; c < kValueRegs; ++c) vj[c] = V::load(v + V::W * c);
     for (int h = 0; h < kHeads; ++h) {
       const F wj = V::set1(w[h * t.padded + j]);
-      for (int c = 0; c < 4; ++c) acc[h][c] = V::fma(wj, vj[c], acc[h][c]);
+      for (int c = 0; c < kValueRegs; ++c) acc[h][c] = V::fma(wj, vj[c], acc[h][c]);
     }
   }
   for (int h = 0; h < kHeads; ++h)
-    for (int c = 0; c < 4; ++c) V::store(t.out + (first + h) * t.D + d0 + V::W * c, acc[h][c]);
+    for (int c = 0; c < kValueRegs; ++c)
+      V::store(t.out + (first + h) * t.D + d0 + V::W * c, acc[h][c]);
 }
 
 // values() for `count` heads, 1..kMax, with the register count fixed at compile time.
@@ -200,9 +204,9 @@ constexpr int64_t kRunValueKeys = 64;
 // same whatever its run: its scores, softmax and sums are these operations in this order.
 template <class V, int D, typename T>
 void attend_vectorized(const Token<T>* tokens, int64_t count, std::vector<float>& tile) {
-  // a values() pass: 4 registers of dimensions for up to kHeads query heads, so 8 of AVX2's
-  // 16 registers or 16 of AVX-512's 32 hold sums
-  constexpr int kDims = 4 * V::W, kHeads = V::W == 16 ? 4 : 2;
+  // a values() pass: up to kHeads query heads, so 8 of AVX2's 16 registers or 16 of AVX-512's
+  // 32 hold sums
+  constexpr int kDims = kValueRegs * V::W, kHeads = V::W == 16 ? 4 : 2;
   const Token<T>& last = tokens[count - 1];
   const int64_t kv_heads = last.heads / last.group, slot_bytes = 2 * last.v_offset * sizeof(T);
   tile.resize(V::W * kv_heads * D);
@@ -318,11 +322,11 @@ torch::Tensor paged_attention(torch::Tensor q, torch::Tensor cache, torch::Tenso
   // Runs: a token and the next ones of its sequence at the next positions (a prefill chunk's),
   // kRunTokens at most, computed together (attend). On the vectorized path a run reads each key
   // once for all its tokens (on the portable one its later tokens find the keys in cache), so
-  // its cost is the keys it reads plus the keys each token scores; a lone token (a decode) reads every key
-  // it scores (on a Zen 3 core 0.11-0.14 us a key against 0.06-0.08 in a run). Threads take
-  // contiguous runs holding equal shares of that cost: an even split by token count can leave
-  // one thread the long contexts, and one by keys scored gives the thread with a mixed step's
-  // decodes more work. Which thread computes a token, and in which run, never changes its bits.
+  // its cost is the keys it reads plus the keys each token scores; a lone token (a decode)
+  // reads every key it scores (on a Zen 3 core 0.11-0.14 us a key against 0.06-0.08 in a
+  // run). Threads take contiguous runs holding equal shares of that cost: an even split by
+  // token count can leave one thread the long contexts, and one by keys scored gives the thread
+  // with a mixed step's decodes more work. Which thread computes a token, and in which run, never changes its bits.
   std::vector<int64_t> run_at;  // each run's first token, then num_tokens
   std::vector<int64_t> cost;  // the runs' cumulative cost
   for (int64_t t = 0, total = 0; t < num_tokens;) {

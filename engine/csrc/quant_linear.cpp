@@ -223,7 +223,8 @@ constexpr int64_t kPanelMinRows = 8;
 
 template <class V>
 struct Outer {
-  static constexpr int kRows = V::W == 16 ? 12 : 6;  // x 2 registers of outputs: 24 or 12 sums
+  // rows a tile, times 2 registers of outputs: 24 or 12 sums
+  static constexpr int kRows = V::W == 16 ? 12 : 6;
   static constexpr int kCols = 2 * V::W;        // outputs a tile
   static constexpr int kPanel = 2 * kCols;      // outputs a panel: x's rows serve two tiles
   // floats from one lane's weights to the next's: a step more than they hold, so that lanes a
