@@ -201,21 +201,25 @@ class QuantLinear:
 
 class BlockStack:
     """A decoder's layers in one call (block_stack.cpp), each layer's calls as the model makes
-    them one by one -- add_rms_norm, QuantLinear qkv, rope_write, paged_attention, QuantLinear o,
-    add_rms_norm, QuantLinear gate_up, silu_mul, QuantLinear down -- so the same bits, without
-    Python between them. For steps whose every matmul runs on the blocks and every attention row
-    on the fixed-order kernel."""
+    them one by one -- add_rms_norm, linear qkv, rope_write, paged_attention, linear o,
+    add_rms_norm, linear gate_up, silu_mul, linear down, each linear a QuantLinear or a
+    Bf16Linear -- so the same bits, without Python between them. For steps whose every matmul
+    runs on these kernels and every attention row on the fixed-order kernel."""
 
     __slots__ = ("_stack",)
 
-    def __init__(self, norms: list[torch.Tensor], linears: list[QuantLinear],
+    def __init__(self, norms: list[torch.Tensor], linears: list[QuantLinear | Bf16Linear],
                  cos_sin: torch.Tensor, num_heads: int, eps: float, scale: float,
                  norm_dtype: torch.dtype):
         """Per layer: ``norms`` [input, post-attention], ``linears`` [qkv, o, gate_up, down];
         ``norm_dtype``: what the norms return (the matmuls' dtype; the blocks read float32)."""
-        self._stack = _module().BlockStack(
-            norms, [lin.blocks for lin in linears], [lin.qtype for lin in linears], cos_sin,
-            num_heads, eps, scale, norm_dtype == torch.bfloat16)
+        module = _module()
+        matrices = [(lin.blocks, lin.qtype) if isinstance(lin, QuantLinear)
+                    else (lin.packed, module.packed_bf16) for lin in linears]
+        self._stack = module.BlockStack(
+            norms, [m for m, _ in matrices], [qtype for _, qtype in matrices],
+            [lin.out_features for lin in linears], cos_sin, num_heads, eps, scale,
+            norm_dtype == torch.bfloat16)
 
     def __call__(self, x: torch.Tensor, caches: list[torch.Tensor], positions: torch.Tensor,
                  slots: torch.Tensor, block_tables: torch.Tensor, token_seq: torch.Tensor, *,

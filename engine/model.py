@@ -9,8 +9,9 @@ so a layer is nine calls whatever the batch holds:
     gate_up matmul, silu_mul, down matmul (its output joins the residual in the next norm).
 
 The element-wise calls are fused C++ on CPU and torch ops elsewhere (engine/layer_ops.py). Where
-a step's nine calls are all our kernels (matmuls on GGUF blocks, every row on the fixed-order
-attention), one C++ call runs every layer (cpu_kernels.BlockStack, see _build_block_stack).
+a step's nine calls are all our kernels (matmuls on GGUF blocks or the bf16 kernel, every row on
+the fixed-order attention), one C++ call runs every layer (cpu_kernels.BlockStack, see
+_build_block_stack).
 Matmuls: bf16 ones on CPUs with AVX512-BF16 or AMX run our C++ kernel (float32 results,
 cpu_kernels.Bf16Linear, on AMX tiles where the CPU has them); the others go through oneDNN with
 pre-packed weights on CPU (see _Linear). Given a GGUF's blocks (``quantized``), matmuls of few rows read those instead
@@ -471,23 +472,28 @@ class LlamaModel:
             make_linears_invariant(lin for lin in linears if isinstance(lin, _Linear))
 
     def _build_block_stack(self) -> tuple[cpu_kernels.BlockStack | None, float]:
-        """The layers as one kernel call (cpu_kernels.BlockStack) where every matmul reads GGUF
-        blocks, and the most rows a step may have for it (the blocks' own limit). Measured on
-        the 2-core AVX2 kind (AMD EPYC, family 23 model 1), a batch-1 decode step of the bundled
-        model, median of 100 steps in four runs: 24.0-26.9 ms with a Python call per kernel,
-        21.1-22.1 ms in one call; 8 rows 72-76 against 68-69 ms."""
+        """The layers as one kernel call (cpu_kernels.BlockStack) where every matmul runs on our
+        kernels -- the GGUF blocks or the bf16 kernel -- and the most rows a step may have for it
+        (the blocks' own limit; none for the bf16 kernel). Measured on the 2-core AVX2 kind (AMD
+        EPYC, family 23 model 1), a batch-1 decode step of the bundled model, median of 100
+        steps in four runs: 24.0-26.9 ms with a Python call per kernel, 21.1-22.1 ms in one
+        call; 8 rows 72-76 against 68-69 ms."""
         if self._kernel_ops is None or self.dtype != torch.float32:
             return None, 0
         linears = [lin for layer in self.layers
                    for lin in (layer.qkv, layer.o, layer.gate_up, layer.down)]
-        if not all(isinstance(lin, _BlockLinear) for lin in linears):
+        if all(isinstance(lin, _BlockLinear) for lin in linears):
+            kernels = [lin.blocks for lin in linears]
+            max_rows = min(math.inf if lin.dense is None else lin.max_rows for lin in linears)
+        elif all(isinstance(lin, cpu_kernels.Bf16Linear) for lin in linears):
+            kernels, max_rows = linears, math.inf
+        else:
             return None, 0
         norms = [n for layer in self.layers for n in (layer.input_norm, layer.post_norm)]
         c = self.config
-        stack = cpu_kernels.BlockStack(norms, [lin.blocks for lin in linears],
-                                       self._kernel_ops.cos_sin, c.num_heads, c.rms_norm_eps,
-                                       c.head_dim**-0.5, self.matmul_dtype)
-        return stack, min(math.inf if lin.dense is None else lin.max_rows for lin in linears)
+        stack = cpu_kernels.BlockStack(norms, kernels, self._kernel_ops.cos_sin, c.num_heads,
+                                       c.rms_norm_eps, c.head_dim**-0.5, self.matmul_dtype)
+        return stack, max_rows
 
     def allocate_kv_cache(
         self, num_blocks: int, block_size: int, dtype: torch.dtype | None = None
@@ -541,7 +547,7 @@ class LlamaModel:
 
     def _stack_runs(self, plan: AttentionPlan) -> bool:
         """Whether the block stack runs this step: every row on the fixed-order attention, in
-        row order, and few enough rows that each matmul reads the blocks."""
+        row order, and no more rows than its matmuls take (the blocks' limit)."""
         return (plan.fixed is not None and not plan.decode_chunks and not plan.prefills
                 and isinstance(plan.fixed.rows, slice)
                 and plan.fixed.rows == slice(0, plan.num_tokens)

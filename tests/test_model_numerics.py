@@ -365,18 +365,23 @@ class _CountedStack:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("batch_invariant", [False, True])
+@pytest.mark.parametrize("gguf_blocks", [True, False])
 def test_block_stack_computes_the_bits_of_the_per_call_layers(bundled_checkpoint,
-                                                              batch_invariant):
+                                                              batch_invariant, gguf_blocks):
     """The decoder's layers in one kernel call (cpu_kernels.BlockStack) against the same model
     calling each layer's kernels from Python: the same logits, bit for bit, in each step it
-    takes -- decode steps of few rows, and in batch-invariant mode every step."""
+    takes -- decode steps of few rows, and in batch-invariant mode every step. Its matmuls: the
+    GGUF blocks, or the bf16 kernel where the CPU has one (every row in batch-invariant mode,
+    every row of a model without blocks)."""
     from engine import cpu_kernels
 
-    if cpu_kernels.bf16_linear_supported() and batch_invariant:
-        pytest.skip("batch-invariant mode runs the bf16 kernel on this CPU, not the blocks")
+    if not gguf_blocks and not cpu_kernels.bf16_linear_supported():
+        pytest.skip("this CPU has no AVX512-BF16 or AMX: a model without GGUF blocks runs its "
+                    "matmuls on oneDNN, so no step runs the stack")
     model = LlamaModel(bundled_checkpoint.config, bundled_checkpoint.weights,
                        matmul_dtype=default_matmul_dtype(torch.float32),
-                       quantized=bundled_checkpoint.quantized, batch_invariant=batch_invariant)
+                       quantized=bundled_checkpoint.quantized if gguf_blocks else None,
+                       batch_invariant=batch_invariant)
     counted = _CountedStack(model.block_stack)
     assert counted.stack is not None
     tokenizer = bundled_checkpoint.tokenizer

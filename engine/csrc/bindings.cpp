@@ -27,14 +27,16 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("cache"), py::arg("num_heads"), py::arg("path"));
   m.def("silu_mul", &silu_mul, without_gil, "silu(gate) * up of a fused gate_up projection", py::arg("gate_up"),
         py::arg("path"));
+  m.attr("packed_bf16") = kPackedBf16;
   m.def("quant_block_bytes", &quant_block_bytes, "bytes of a GGUF block type's block, 0 if unsupported",
         py::arg("qtype"));
   m.def("quant_linear", &quant_linear, without_gil, "x @ W.T, W as GGUF blocks (Q4_1, Q8_0); float32 arithmetic",
         py::arg("x"), py::arg("blocks"), py::arg("qtype"), py::arg("path"));
-  py::class_<BlockStack>(m, "BlockStack", "a decoder's layers on the blocks, one call a step")
+  py::class_<BlockStack>(m, "BlockStack", "a decoder's layers on our kernels, one call a step")
       .def(py::init<std::vector<torch::Tensor>, std::vector<torch::Tensor>, std::vector<int64_t>,
-                    torch::Tensor, int64_t, double, double, bool>(),
-           py::arg("norms"), py::arg("blocks"), py::arg("qtypes"), py::arg("cos_sin"),
+                    std::vector<int64_t>, torch::Tensor, int64_t, double, double, bool>(),
+           py::arg("norms"), py::arg("matrices"), py::arg("qtypes"), py::arg("columns"),
+           py::arg("cos_sin"),
            py::arg("num_heads"), py::arg("eps"), py::arg("scale"), py::arg("bf16_norm_out"))
       .def("forward", &BlockStack::forward, without_gil, py::arg("x"), py::arg("caches"),
            py::arg("positions"), py::arg("slots"), py::arg("block_tables"), py::arg("token_seq"),

@@ -1,22 +1,25 @@
 // A decoder's layers in one call, for the steps where every call of a layer is one of our
 // kernels: each row's attention on the fixed-order kernel and each matmul on the GGUF blocks
-// (decode steps of few rows, and every step in batch-invariant mode). The layer is the nine
-// calls engine/model.py makes, in its order and with its arguments, so the result is the same
-// bits; what goes is Python between the calls -- the model's glue and the binding's per-call
-// conversions and GIL hand-offs, 270 of each a step for the bundled model's 30 layers.
+// (decode steps of few rows, and every step in batch-invariant mode) or on the bf16 kernel. The
+// layer is the nine calls engine/model.py makes, in its order and with its arguments, so the
+// result is the same bits; what goes is Python between the calls -- the model's glue and the
+// binding's per-call conversions and GIL hand-offs, 270 of each a step for the bundled model's
+// 30 layers, while the other core's OpenMP worker waits for the next kernel.
 #include "kernels.h"
 
-BlockStack::BlockStack(std::vector<torch::Tensor> norms, std::vector<torch::Tensor> blocks,
-                       std::vector<int64_t> qtypes, torch::Tensor cos_sin, int64_t num_heads,
-                       double eps, double scale, bool bf16_norm_out)
-    : norms_(std::move(norms)), blocks_(std::move(blocks)), qtypes_(std::move(qtypes)),
-      cos_sin_(std::move(cos_sin)), num_heads_(num_heads), eps_(eps), scale_(scale),
-      bf16_norm_out_(bf16_norm_out) {
-  TORCH_CHECK(norms_.size() % 2 == 0 && blocks_.size() == 2 * norms_.size() &&
-              qtypes_.size() == blocks_.size(),
-              "a layer is 2 norms and 4 block matrices (qkv, o, gate_up, down)");
+BlockStack::BlockStack(std::vector<torch::Tensor> norms, std::vector<torch::Tensor> matrices,
+                       std::vector<int64_t> qtypes, std::vector<int64_t> columns,
+                       torch::Tensor cos_sin, int64_t num_heads, double eps, double scale,
+                       bool bf16_norm_out)
+    : norms_(std::move(norms)), matrices_(std::move(matrices)), qtypes_(std::move(qtypes)),
+      columns_(std::move(columns)), cos_sin_(std::move(cos_sin)), num_heads_(num_heads),
+      eps_(eps), scale_(scale), bf16_norm_out_(bf16_norm_out) {
+  TORCH_CHECK(norms_.size() % 2 == 0 && matrices_.size() == 2 * norms_.size() &&
+              qtypes_.size() == matrices_.size() && columns_.size() == matrices_.size(),
+              "a layer is 2 norms and 4 matrices (qkv, o, gate_up, down)");
   for (const int64_t qtype : qtypes_)
-    TORCH_CHECK(quant_block_bytes(qtype) > 0, "GGUF block type ", qtype, " is not supported");
+    TORCH_CHECK(qtype == kPackedBf16 || quant_block_bytes(qtype) > 0, "GGUF block type ", qtype,
+                " is not supported");
 }
 
 torch::Tensor BlockStack::forward(torch::Tensor x, const std::vector<torch::Tensor>& caches,
@@ -25,13 +28,15 @@ torch::Tensor BlockStack::forward(torch::Tensor x, const std::vector<torch::Tens
                                   const std::string& path) const {
   const size_t layers = norms_.size() / 2;
   TORCH_CHECK(layers > 0 && caches.size() == layers, "one KV cache tensor per layer");
-  // The norm's output in the matmuls' dtype, then float32 for the blocks (QuantLinear's x.float())
   const auto norm = [&](const c10::optional<torch::Tensor>& delta, const torch::Tensor& weight) {
-    const torch::Tensor h = add_rms_norm(x, delta, weight, eps_, bf16_norm_out_, path);
-    return bf16_norm_out_ ? h.to(torch::kFloat32) : h;
+    return add_rms_norm(x, delta, weight, eps_, bf16_norm_out_, path);
   };
+  // As the model's linears take them: the bf16 kernel any float type (its own path choice),
+  // the blocks float32 (QuantLinear's x.float())
   const auto matmul = [&](const torch::Tensor& in, size_t layer, int which) {
-    return quant_linear(in, blocks_[4 * layer + which], qtypes_[4 * layer + which], path);
+    const size_t m = 4 * layer + which;
+    if (qtypes_[m] == kPackedBf16) return bf16_linear(in, matrices_[m], columns_[m], "auto");
+    return quant_linear(in.to(torch::kFloat32), matrices_[m], qtypes_[m], path);
   };
   c10::optional<torch::Tensor> delta;  // the last sublayer's output, added inside the next norm
   for (size_t l = 0; l < layers; ++l) {

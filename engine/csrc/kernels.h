@@ -88,13 +88,17 @@ int64_t quant_block_bytes(int64_t qtype);
 torch::Tensor quant_linear(torch::Tensor x, torch::Tensor blocks, int64_t qtype,
                            const std::string& path);
 
+// A BlockStack matrix's qtype when it is a weight packed for bf16_linear, not GGUF blocks.
+constexpr int64_t kPackedBf16 = -1;
+
 // A decoder's layers on the kernels above, one call a step (block_stack.cpp): per layer, norms
-// [input, post-attention] and blocks with their qtypes [qkv, o, gate_up, down].
+// [input, post-attention] and matrices [qkv, o, gate_up, down], each GGUF blocks (its qtype) or
+// packed for bf16_linear (kPackedBf16), with its output columns.
 class BlockStack {
  public:
-  BlockStack(std::vector<torch::Tensor> norms, std::vector<torch::Tensor> blocks,
-             std::vector<int64_t> qtypes, torch::Tensor cos_sin, int64_t num_heads, double eps,
-             double scale, bool bf16_norm_out);
+  BlockStack(std::vector<torch::Tensor> norms, std::vector<torch::Tensor> matrices,
+             std::vector<int64_t> qtypes, std::vector<int64_t> columns, torch::Tensor cos_sin,
+             int64_t num_heads, double eps, double scale, bool bf16_norm_out);
   // x [T, hidden] float32, the residual stream, updated in place; returns the last layer's
   // output (the residual's next delta).
   torch::Tensor forward(torch::Tensor x, const std::vector<torch::Tensor>& caches,
@@ -102,8 +106,8 @@ class BlockStack {
                         torch::Tensor token_seq, const std::string& path) const;
 
  private:
-  std::vector<torch::Tensor> norms_, blocks_;
-  std::vector<int64_t> qtypes_;
+  std::vector<torch::Tensor> norms_, matrices_;
+  std::vector<int64_t> qtypes_, columns_;
   torch::Tensor cos_sin_;
   int64_t num_heads_;
   double eps_, scale_;
