@@ -92,6 +92,32 @@ def test_catch_up_is_per_tenant_and_survives_a_restart(sessions, tmp_path):
     writer.close()
 
 
+def test_a_search_at_a_snapshot_the_index_reflects_asks_sql_nothing(sessions, tmp_path):
+    writer = EdgeIndex(tmp_path / "worker", DIM)
+    replica = EdgeIndex(tmp_path / "api", DIM)
+    opened = []
+
+    def counted_sessions():
+        opened.append(1)
+        return sessions()
+
+    search = CaughtUpSearch(IndexProjection(counted_sessions, replica, MODEL))
+    a1 = draft("a.md", ["alpha one"])
+    first = write(sessions, writer, "acme", a1).epoch
+    query = vector_for(a1.chunks[0].chunk_hash)
+    assert hits(search, "acme", query, first) == hits(writer, "acme", query, first)
+    assert len(opened) == 1  # the catch-up
+    assert hits(search, "acme", query, first) == hits(writer, "acme", query, first)
+    assert len(opened) == 1  # reflected already: no session, no query
+    # A newer snapshot (another process committed it) is caught up before the search.
+    second = write(sessions, writer, "acme", draft("a.md", ["alpha one, changed"])).epoch
+    for epoch in (second, first):
+        assert hits(search, "acme", query, epoch) == hits(writer, "acme", query, epoch)
+    assert len(opened) == 2
+    writer.close()
+    replica.close()
+
+
 def test_chunks_without_a_cached_vector_are_reported_not_invented(sqlite_url, tmp_path):
     sessions = migrated_sessions(sqlite_url)
     writer = EdgeIndex(tmp_path / "worker", DIM)
