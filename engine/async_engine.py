@@ -15,6 +15,7 @@ API's threads gave a time to first token p50 of 2.7-3.7 s, against 1.5-2.2 s bet
 
 import asyncio
 import logging
+import os
 import queue
 import threading
 import uuid
@@ -127,6 +128,10 @@ class AsyncEngine:
     # -- the engine thread ------------------------------------------------------------------
 
     def _loop(self) -> None:
+        # This thread and the OpenMP workers it starts yield the cores sooner to the API's
+        # threads (EngineConfig.step_thread_nice); a thread's nice value is its own on Linux.
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(),
+                       self.engine.config.step_thread_nice)
         engine = self.engine
         while not self._stopping:
             self._run_calls()

@@ -7,12 +7,15 @@ Tests with the bundled SmolLM2 model are at the end.
 
 import asyncio
 import dataclasses
+import os
 import random
 import threading
 import time
 from functools import partial
+from pathlib import Path
 
 import pytest
+import torch
 from engine_fixtures import needs_kernels, write_tiny_llama
 from engine_toy import CharTokenizer, reference_greedy, toy_engine
 
@@ -366,6 +369,27 @@ async def test_calls_run_on_the_engine_thread_between_steps(async_engine):
     assert sorted(i for i, *_ in seen) == list(range(6))
     assert all(name == "inherent-engine" and not mid_step for _, name, mid_step, _ in seen)
     assert all(decoding for *_, decoding in seen)  # between the request's steps
+
+
+def test_the_step_thread_and_its_openmp_workers_run_at_the_configured_nice_value():
+    def niced_threads() -> int:
+        """This process's threads at nice 7, from /proc (a stat's 19th field)."""
+        count = 0
+        for task in Path("/proc/self/task").iterdir():
+            stat = (task / "stat").read_text()
+            count += int(stat[stat.rindex(")") + 2 :].split()[16]) == 7
+        return count
+
+    def parallel_work_then_count() -> int:
+        torch.ones(1 << 22).sum()  # a parallel region: this thread's OpenMP workers start
+        return niced_threads()
+
+    engine = AsyncEngine(toy_engine(tokenizer=CharTokenizer(), step_thread_nice=7))
+    try:
+        assert engine.run_between_steps(parallel_work_then_count) == torch.get_num_threads()
+        assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) != 7  # ours stays
+    finally:
+        engine.shutdown()
 
 
 def test_calls_after_shutdown_run_on_the_callers_thread():
