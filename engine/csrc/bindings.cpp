@@ -36,8 +36,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def(py::init<std::vector<torch::Tensor>, std::vector<torch::Tensor>, std::vector<int64_t>,
                     std::vector<int64_t>, torch::Tensor, int64_t, double, double, bool>(),
            py::arg("norms"), py::arg("matrices"), py::arg("qtypes"), py::arg("columns"),
-           py::arg("cos_sin"),
-           py::arg("num_heads"), py::arg("eps"), py::arg("scale"), py::arg("bf16_norm_out"))
+           py::arg("cos_sin"), py::arg("num_heads"), py::arg("eps"), py::arg("scale"),
+           py::arg("bf16_norm_out"))
       .def("forward", &BlockStack::forward, without_gil, py::arg("x"), py::arg("caches"),
            py::arg("positions"), py::arg("slots"), py::arg("block_tables"), py::arg("token_seq"),
            py::arg("path"));
