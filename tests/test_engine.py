@@ -392,6 +392,19 @@ def test_the_step_thread_and_its_openmp_workers_run_at_the_configured_nice_value
         engine.shutdown()
 
 
+def test_a_step_thread_refused_its_priority_still_serves(monkeypatch, caplog):
+    def refused(*args):
+        raise PermissionError(1, "Operation not permitted")
+
+    monkeypatch.setattr(os, "setpriority", refused)
+    engine = AsyncEngine(toy_engine(tokenizer=CharTokenizer()))
+    try:
+        assert engine.run_between_steps(lambda: 42) == 42
+    finally:
+        engine.shutdown()
+    assert "the step thread keeps its priority" in caplog.text
+
+
 def test_calls_after_shutdown_run_on_the_callers_thread():
     engine = AsyncEngine(toy_engine(tokenizer=CharTokenizer()))
     assert engine.run_between_steps(threading.current_thread) is engine._thread
