@@ -219,9 +219,9 @@ def fit_to_budget(
     A chunk costs its rank label's tokens plus its body's (``format_source`` is label + body),
     counted apart: the body does not depend on the rank, so a counter that remembers texts
     tokenizes a chunk once, at whatever rank it comes back (a 650-character chunk took 0.5 ms
-    to count on the Ice Lake kind). For byte-level BPE vocabularies (GPT-2's, Llama 3's, the bundled model's) the
-    label ends where pre-tokenization splits anyway, so the sum is the joint count; others may
-    differ by a token a chunk."""
+    to count on the Ice Lake kind). For byte-level BPE vocabularies (GPT-2's, Llama 3's, the
+    bundled model's) the label ends where pre-tokenization splits anyway, so the sum is the
+    joint count; others may differ by a token a chunk."""
     kept: list[RetrievedChunk] = []
     used = 0
     for chunk in chunks:

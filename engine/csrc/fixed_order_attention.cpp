@@ -326,7 +326,8 @@ torch::Tensor paged_attention(torch::Tensor q, torch::Tensor cache, torch::Tenso
   // reads every key it scores (on a Zen 3 core 0.11-0.14 us a key against 0.06-0.08 in a
   // run). Threads take contiguous runs holding equal shares of that cost: an even split by
   // token count can leave one thread the long contexts, and one by keys scored gives the thread
-  // with a mixed step's decodes more work. Which thread computes a token, and in which run, never changes its bits.
+  // with a mixed step's decodes more work. Which thread computes a token, and in which run,
+  // never changes its bits.
   std::vector<int64_t> run_at;  // each run's first token, then num_tokens
   std::vector<int64_t> cost;  // the runs' cumulative cost
   for (int64_t t = 0, total = 0; t < num_tokens;) {
