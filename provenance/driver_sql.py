@@ -1,4 +1,4 @@
-"""Core statements run on the driver's cursor, for the writes every answer waits for.
+"""Core statements run on the driver's cursor, for the statements every answer waits for.
 
 A receipt's commit ran seven Core statements, and with the cold caches a decode leaves behind,
 SQLAlchemy's execution path (compiled-cache lookup, parameter set-up, result set-up: about a
@@ -18,6 +18,7 @@ from sqlalchemy import Connection
 from sqlalchemy.engine import Dialect
 from sqlalchemy.exc import DBAPIError
 from sqlalchemy.orm import Session
+from sqlalchemy.sql import Select
 from sqlalchemy.sql.dml import UpdateBase
 
 Processor = Callable[[Any], Any] | None
@@ -28,7 +29,7 @@ class _Compiled:
     sql: str
     names: tuple[str, ...] | None  # positional paramstyles: the parameters in order
     bind: dict[str, Processor]  # per parameter; None where the driver takes the value as is
-    result: tuple[Processor, ...]  # per RETURNING column
+    result: tuple[Processor, ...]  # per selected or RETURNING column
 
     def args(self, params: dict[str, Any]) -> tuple[Any, ...] | dict[str, Any]:
         if self.names is None:
@@ -41,16 +42,16 @@ def _convert(processor: Processor, value: Any) -> Any:
 
 
 class DriverStatement:
-    """An INSERT or UPDATE (with or without RETURNING) whose parameters are all named binds;
-    every execution passes every parameter."""
+    """A SELECT, or an INSERT or UPDATE (with or without RETURNING), whose parameters are all
+    named binds; every execution passes every parameter (no expanding IN lists)."""
 
-    def __init__(self, statement: UpdateBase):
+    def __init__(self, statement: UpdateBase | Select):
         self.statement = statement
         self._compiled: dict[tuple[str, str], _Compiled] = {}  # by dialect and driver
 
     def execute(self, bind: Session | Connection, params: dict[str, Any]) -> list[tuple]:
-        """Run it once in the bind's transaction; return the RETURNING rows (none without
-        RETURNING)."""
+        """Run it once in the bind's transaction; return the rows it selects or returns (none
+        for a write without RETURNING)."""
         connection = _connection(bind)
         compiled = self._compile(connection.dialect)
         args = compiled.args(params)
@@ -59,9 +60,12 @@ class DriverStatement:
             _run(connection, cursor, compiled.sql, args, cursor.execute)
             if not compiled.result:
                 return []
+            rows = cursor.fetchall()
+            if not any(compiled.result):  # the driver's values are the column's (str, int)
+                return rows
             return [
                 tuple(_convert(p, v) for p, v in zip(compiled.result, row, strict=True))
-                for row in cursor.fetchall()
+                for row in rows
             ]
         finally:
             cursor.close()

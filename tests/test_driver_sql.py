@@ -6,7 +6,7 @@ import time
 from datetime import UTC, datetime, timedelta, timezone
 
 import pytest
-from sqlalchemy import bindparam, insert, text, update
+from sqlalchemy import bindparam, insert, select, text, update
 from sqlalchemy.exc import IntegrityError, OperationalError
 
 from provenance.db import get_engine, is_transient, session_scope, write_transaction
@@ -68,6 +68,25 @@ def test_returning_rows_come_back_through_the_column_types(url):
         connection.execute(insert(HEAD), {"tenant_id": "acme", "size": 5, "frontier": ["ab", "cd"]})
         assert advance.execute(connection, {"tenant": "acme", "advance": 3}) == [(8, ["ab", "cd"])]
         assert advance.execute(connection, {"tenant": "nobody", "advance": 1}) == []
+
+
+def test_a_select_reads_back_what_core_selects(url):
+    """Rows through the columns' types where they have result processors (SQLite keeps DateTime
+    and JSON as text), and as the driver gives them where they have none."""
+    at = datetime(2026, 12, 3, 6, 30, 15, 123456, tzinfo=UTC)
+    with write_transaction(url) as connection:
+        for receipt_id in ["rcpt_a", "rcpt_b", "rcpt_c"]:
+            connection.execute(insert(RECEIPTS), receipt_row(receipt_id, at))
+    ids = [bindparam("first"), bindparam("second")]
+    typed = select(RECEIPTS.c.id, RECEIPTS.c.created_at, RECEIPTS.c.body, RECEIPTS.c.snapshot_epoch)
+    plain = select(RECEIPTS.c.id, RECEIPTS.c.snapshot_epoch)
+    params = {"first": "rcpt_a", "second": "rcpt_c"}
+    with get_engine(url).connect() as connection:
+        for statement in [typed, plain]:
+            statement = statement.where(RECEIPTS.c.id.in_(ids)).order_by(RECEIPTS.c.id)
+            driver = DriverStatement(statement).execute(connection, params)
+            assert driver == [tuple(row) for row in connection.execute(statement, params)]
+            assert [row[0] for row in driver] == ["rcpt_a", "rcpt_c"]
 
 
 def test_a_constraint_violation_is_sqlalchemys_and_not_transient(url):

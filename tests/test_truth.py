@@ -238,16 +238,32 @@ def test_concurrent_writers_get_distinct_consecutive_epochs_on_postgresql(pg_url
         assert s.scalars(select(Epoch.epoch).order_by(Epoch.epoch)).all() == list(range(1, 9))
 
 
-def test_the_visibility_check_drops_another_tenants_chunk_that_the_index_returns(sessions, index):
+@pytest.mark.parametrize("database", ["sqlite", pytest.param("postgresql", marks=pytest.mark.integration)])
+def test_the_visibility_check_drops_another_tenants_chunk_that_the_index_returns(
+    database, request, tmp_path
+):
     """The re-check looks chunks up by id (the tenant is checked on the rows): a hit that names
-    another tenant's chunk, from a stale or damaged index, never reaches the prompt."""
-    commit(sessions, index, draft("a", ["acme's own words"]))
+    another tenant's chunk, from a stale or damaged index, never reaches the prompt. It reads
+    the chunk as the ORM would, on either database, whatever the number of ids."""
+    url = request.getfixturevalue("sqlite_url" if database == "sqlite" else "pg_url")
+    sessions, index = migrated_sessions(url), make_index("edge", tmp_path)
+    commit(sessions, index, draft("a", ["acme's own words", "and more of them"], title="A"))
     commit(sessions, index, draft("b", ["beta's secret words"]), tenant="beta")
-    ours, theirs = truth.chunk_id("acme", "a", 1, 0), truth.chunk_id("beta", "b", 1, 0)
+    ours = [truth.chunk_id("acme", "a", 1, i) for i in range(2)]
+    theirs = truth.chunk_id("beta", "b", 1, 0)
     with sessions() as s:
-        rows = memory.visible_chunks(s, "acme", 1, [ours, theirs])
-        assert [row.id for row, _ in rows] == [ours]
-        assert memory.visible_chunks(s, "beta", 1, [ours]) == []
+        rows = memory.visible_chunks(s, "acme", 1, [ours[0], theirs])
+        assert [row.id for row, _ in rows] == [ours[0]]
+        assert memory.visible_chunks(s, "beta", 1, [ours[0]]) == []
+        both = sorted(memory.visible_chunks(s, "acme", 1, [*ours, theirs, "unknown"]))
+        for (row, title), chunk_id in zip(both, sorted(ours), strict=True):
+            chunk = s.get(Chunk, chunk_id)
+            assert title == "A" and row.version_title == "A"
+            for column in ["id", "tenant_id", "source_id", "version", "ordinal", "text",
+                           "chunk_hash", "char_start", "char_end"]:
+                assert getattr(row, column) == getattr(chunk, column), column
+        assert memory.visible_chunks(s, "acme", 0, ours) == []  # before the version's epoch
+    index.close()
 
 
 def retrieve(sessions, index, query, epoch=None, top_k=10):
