@@ -26,10 +26,18 @@ from provenance import merkle
 from provenance.db import insert_missing
 from provenance.driver_sql import DriverStatement
 from provenance.hashing import blake3_hex, canonical_json
-from provenance.models import AuditHead, AuditLeaf, AuditNode, Receipt, SourceVersion, utcnow
+from provenance.models import (
+    AuditHead,
+    AuditLeaf,
+    AuditNode,
+    Receipt,
+    ReceiptRow,
+    SourceVersion,
+    utcnow,
+)
 
 
-def receipt_leaf_payload(receipt: Receipt) -> dict[str, Any]:
+def receipt_leaf_payload(receipt: Receipt | ReceiptRow) -> dict[str, Any]:
     """Commits to the whole row: the body by hash, the indexed columns by value."""
     return {
         "receipt_id": receipt.id,
@@ -111,10 +119,9 @@ def append_leaf(
     return append_leaves(session, tenant_id, [LeafEntry(kind, ref, payload)])[0]
 
 
-def append_receipt(session: Session | Connection, receipt: Receipt) -> int:
-    return append_leaf(
-        session, "receipt", receipt.id, receipt.tenant_id, receipt_leaf_payload(receipt)
-    )
+def receipt_leaf(receipt: Receipt | ReceiptRow) -> LeafEntry:
+    """The leaf that logs a receipt, for ``append_leaves`` of the receipt's tenant."""
+    return LeafEntry("receipt", receipt.id, receipt_leaf_payload(receipt))
 
 
 _LEAF, _NODE, _HEAD = AuditLeaf.__table__, AuditNode.__table__, AuditHead.__table__

@@ -6,7 +6,7 @@ has ``valid_to_epoch == OPEN_EPOCH`` so the same range test works in SQL and in 
 """
 
 from datetime import UTC, datetime
-from typing import Any, ClassVar
+from typing import Any, ClassVar, NamedTuple
 
 from sqlalchemy import (
     JSON,
@@ -199,6 +199,23 @@ class Receipt(Base):
     output_hash: Mapped[str] = mapped_column(String(64))
     # The full receipt document (OpenTelemetry GenAI attribute names where one exists).
     body: Mapped[dict[str, Any]] = mapped_column(JSON)
+
+
+class ReceiptRow(NamedTuple):
+    """A receipt's row as the hot path writes it, without the ORM's bookkeeping (a mapped
+    object's attribute events cost more than its INSERT): the receipts table's columns."""
+
+    id: str
+    tenant_id: str
+    api_key_id: str | None
+    created_at: datetime
+    status: str
+    snapshot_epoch: int | None
+    model_id: str
+    weights_hash: str
+    prompt_hash: str
+    output_hash: str
+    body: dict[str, Any]
 
 
 class ReceiptCitation(Base):

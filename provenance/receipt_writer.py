@@ -26,11 +26,11 @@ from collections.abc import Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 
-from sqlalchemy import bindparam, select
+from sqlalchemy import Connection, bindparam, select
 
 from provenance.db import is_transient, write_transaction
 from provenance.models import Receipt
-from provenance.receipts import ReceiptRecord, write_receipt
+from provenance.receipts import ReceiptRecord, write_receipts
 
 log = logging.getLogger("inherent.receipts")
 
@@ -51,10 +51,9 @@ def commit_receipts(url: str, records: Sequence[ReceiptRecord], deadline: float)
         attempt += 1
         try:
             with write_transaction(url) as connection:
-                for record in records:
-                    found = attempt > 1 and connection.scalar(_FIND, {"id": record.receipt_id})
-                    if not found:
-                        write_receipt(connection, record)
+                if attempt > 1:
+                    records = [r for r in records if not _committed(connection, r.receipt_id)]
+                write_receipts(connection, records)
             return attempt
         except Exception as error:
             if not is_transient(error):
@@ -70,7 +69,11 @@ def commit_receipts(url: str, records: Sequence[ReceiptRecord], deadline: float)
         delay = min(delay * 2, MAX_BACKOFF_S)
 
 
-# A retry's lookup: an attempt whose answer was lost with its connection may have committed.
+def _committed(connection: Connection, receipt_id: str) -> bool:
+    """A retry's lookup: an attempt whose answer was lost with its connection may have landed."""
+    return connection.scalar(_FIND, {"id": receipt_id}) is not None
+
+
 _FIND = select(Receipt.id).where(Receipt.id == bindparam("id"))
 
 

@@ -5,6 +5,7 @@ exports as span attributes unchanged; what the conventions lack lives under ``in
 """
 
 import secrets
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
 from enum import StrEnum
@@ -18,7 +19,7 @@ from provenance import audit_log
 from provenance.driver_sql import DriverStatement
 from provenance.hashing import blake3_hex
 from provenance.memory import CitedChunk
-from provenance.models import Receipt, ReceiptCitation, utcnow
+from provenance.models import Receipt, ReceiptCitation, ReceiptRow, utcnow
 
 
 class ReceiptStatus(StrEnum):
@@ -85,6 +86,22 @@ class ReceiptRecord:
         if self.error.get("type") == "cancelled":
             return ReceiptStatus.cancelled
         return ReceiptStatus.failed
+
+    def row(self, body: "ReceiptBody") -> ReceiptRow:
+        """The receipts table's row, around ``body`` (this record's ``body()``)."""
+        return ReceiptRow(
+            id=self.receipt_id,
+            tenant_id=self.tenant_id,
+            api_key_id=self.api_key_id,
+            created_at=self.created_at,
+            status=self.status,
+            snapshot_epoch=body.snapshot_epoch,
+            model_id=self.model_id,
+            weights_hash=self.weights_hash,
+            prompt_hash=body.prompt_hash,
+            output_hash=body.output_hash,
+            body=body.stored(),
+        )
 
     def body(self) -> "ReceiptBody":
         retrieval = self.retrieval or {}
@@ -177,39 +194,37 @@ class ReceiptBody(BaseModel):
         }
 
 
-def write_receipt(session: Session | Connection, record: ReceiptRecord) -> Receipt:
-    """Insert the receipt and append its leaf to the audit log, in the caller's transaction.
+def write_receipts(session: Session | Connection, records: Sequence[ReceiptRecord]) -> None:
+    """Insert the receipts with their citations and append their audit leaves, in the caller's
+    transaction: one statement of each kind for them all, whatever their number (a group
+    commit's), and each tenant's log head locked once, tenants in order (two committers never
+    wait on each other's heads in a cycle).
 
     On the driver's cursor, not the ORM's unit of work nor Core's execute: on every answer's
-    path, their bookkeeping cost more than the database did (provenance/driver_sql.py). The
-    returned row is not attached to the session."""
-    body = record.body()
-    receipt = Receipt(
-        id=record.receipt_id,
-        tenant_id=record.tenant_id,
-        api_key_id=record.api_key_id,
-        created_at=record.created_at,
-        status=record.status,
-        snapshot_epoch=body.snapshot_epoch,
-        model_id=record.model_id,
-        weights_hash=record.weights_hash,
-        prompt_hash=body.prompt_hash,
-        output_hash=body.output_hash,
-        body=body.stored(),
-    )
-    _INSERT_RECEIPT.execute(session, {c.key: getattr(receipt, c.key) for c in _RECEIPTS.columns})
-    cited = sorted({(c.source_id, c.version) for c in body.chunks})
-    if cited:
-        _INSERT_CITATION.executemany(session, [
-            {"receipt_id": receipt.id, "source_id": s, "version": v, "tenant_id": receipt.tenant_id}
-            for s, v in cited
-        ])
-    audit_log.append_receipt(session, receipt)
-    return receipt
+    path, their bookkeeping cost more than the database did (provenance/driver_sql.py)."""
+    if not records:
+        return
+    rows: list[ReceiptRow] = []
+    citations: list[dict[str, Any]] = []
+    for record in records:
+        body = record.body()
+        rows.append(record.row(body))
+        citations.extend(
+            {"receipt_id": record.receipt_id, "source_id": source_id, "version": version,
+             "tenant_id": record.tenant_id}
+            for source_id, version in sorted({(c.source_id, c.version) for c in body.chunks})
+        )
+    _INSERT_RECEIPT.executemany(session, [row._asdict() for row in rows])
+    if citations:
+        _INSERT_CITATION.executemany(session, citations)
+    leaves: dict[str, list[audit_log.LeafEntry]] = {}
+    for row in rows:
+        leaves.setdefault(row.tenant_id, []).append(audit_log.receipt_leaf(row))
+    for tenant_id in sorted(leaves):
+        audit_log.append_leaves(session, tenant_id, leaves[tenant_id])
 
 
-_RECEIPTS = Receipt.__table__
-_INSERT_RECEIPT = DriverStatement(insert(_RECEIPTS))
+_INSERT_RECEIPT = DriverStatement(insert(Receipt.__table__))
 _INSERT_CITATION = DriverStatement(insert(ReceiptCitation.__table__))
 
 

@@ -13,7 +13,7 @@ import time
 from pathlib import Path
 
 from provenance.db import get_engine, session_scope
-from provenance.receipts import ReceiptRecord, write_receipt
+from provenance.receipts import ReceiptRecord, write_receipts
 
 
 def record(name: str, tenant: str, i: int) -> ReceiptRecord:
@@ -45,7 +45,7 @@ def main() -> None:
     for i in range(int(count)):
         tenant = tenants[i % len(tenants)]
         with session_scope(url, write=True) as session:
-            write_receipt(session, record(name, tenant, i))
+            write_receipts(session, [record(name, tenant, i)])
         print(json.dumps([tenant, f"rcpt_{name}_{i:05d}"]), flush=True)
 
 

@@ -54,7 +54,7 @@ def logged_receipts(sqlite_url):
             )
             session.add(receipt)
             session.flush()
-            assert audit_log.append_receipt(session, receipt) == i
+            assert audit_log.append_leaves(session, "acme", [audit_log.receipt_leaf(receipt)]) == [i]
     return sqlite_url
 
 

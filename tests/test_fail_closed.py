@@ -50,10 +50,10 @@ def receipts_fail(api, monkeypatch):
     services = api.client.app.state.services
     monkeypatch.setattr(services.receipts, "timeout_s", 0.3)
 
-    def broken(session, record):
+    def broken(session, records):
         raise server_gone()
 
-    monkeypatch.setattr(receipt_writer, "write_receipt", broken)
+    monkeypatch.setattr(receipt_writer, "write_receipts", broken)
 
 
 def test_a_database_outage_before_generation_answers_503_with_retry_after(api, monkeypatch):
@@ -105,22 +105,25 @@ def test_a_stream_whose_receipt_cannot_commit_ends_with_an_error_naming_no_recei
 def test_a_receipt_commit_is_retried_and_lands_exactly_once(api, monkeypatch):
     """The first commit meets a server still restarting; the second lands but its answer is
     lost with the connection; the third finds the receipt and writes nothing."""
-    real = receipt_writer.write_receipt
+    real = receipt_writer.write_receipts
     attempts = []
 
-    def flaky(session, record):
-        attempts.append(record.receipt_id)
+    def flaky(session, records):
+        attempts.append([record.receipt_id for record in records])
         if len(attempts) == 1:
             raise server_gone()
-        real(session, record)
-        session.commit()  # it landed...
-        raise server_gone()  # ...but the answer was lost
+        real(session, records)
+        if len(attempts) == 2:
+            session.commit()  # it landed...
+            raise server_gone()  # ...but the answer was lost
 
-    monkeypatch.setattr(receipt_writer, "write_receipt", flaky)
+    monkeypatch.setattr(receipt_writer, "write_receipts", flaky)
     response = api.client.post("/v1/chat/completions", json=body(), headers=api.auth())
     assert response.status_code == 200, response.text
-    assert len(attempts) == 2  # the third attempt found the receipt and wrote nothing
-    assert stored(api, response.json()["receipt_id"]) == (1, 1)
+    receipt_id = response.json()["receipt_id"]
+    # The third attempt found the receipt and wrote nothing.
+    assert attempts == [[receipt_id], [receipt_id], []]
+    assert stored(api, receipt_id) == (1, 1)
 
 
 def test_a_non_streaming_client_that_disconnects_aborts_its_request(api):

@@ -123,7 +123,7 @@ def check_data_migration(url: str) -> None:
         receipt = legacy_receipt("beta", "r5")
         session.add(receipt)
         session.flush()
-        assert audit_log.append_receipt(session, receipt) == 2
+        assert audit_log.append_leaves(session, "beta", [audit_log.receipt_leaf(receipt)]) == [2]
     with pytest.raises(RuntimeError, match="1 audit leaves carry a nonce"):
         migrate.downgrade(url, "0002")
 

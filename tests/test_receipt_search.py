@@ -13,7 +13,7 @@ from provenance import audit_log, incident, migrate
 from provenance.db import session_scope
 from provenance.memory import CitedChunk
 from provenance.models import Receipt, Tenant
-from provenance.receipts import ReceiptQuery, ReceiptRecord, list_receipts, write_receipt
+from provenance.receipts import ReceiptQuery, ReceiptRecord, list_receipts, write_receipts
 
 T0 = datetime(2026, 11, 30, 9, 0, tzinfo=UTC)
 
@@ -51,7 +51,7 @@ def seed(url: str) -> str:
         session.add_all([Tenant(id="acme", name="acme"), Tenant(id="globex", name="globex")])
         session.flush()
         for row in ROWS:
-            write_receipt(session, record(*row))
+            write_receipts(session, [record(*row)])
     return url
 
 

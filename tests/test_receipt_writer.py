@@ -8,7 +8,7 @@ import threading
 import pytest
 from sqlalchemy import func, select
 
-from provenance import migrate, receipt_writer
+from provenance import audit_log, migrate, receipt_writer
 from provenance.db import session_scope
 from provenance.models import AuditLeaf, Receipt, Tenant
 from provenance.receipt_writer import ReceiptNotCommitted, ReceiptWriter
@@ -78,6 +78,17 @@ def test_receipts_that_finish_together_share_one_transaction(url, held_transacti
     assert groups == [[groups[0][0]], [r.receipt_id for r in together]]
     ids, leaves = stored(url)
     assert ids == {groups[0][0], *(r.receipt_id for r in together)} and leaves == 17
+    # Each tenant's leaves in the order its receipts were submitted, and the logs verify.
+    with session_scope(url) as session:
+        for tenant in ["acme", "globex"]:
+            logged = session.scalars(
+                select(AuditLeaf.ref).where(AuditLeaf.tenant_id == tenant).order_by(AuditLeaf.seq)
+            ).all()
+            submitted = [r.receipt_id for r in together if r.tenant_id == tenant]
+            assert logged == ([groups[0][0]] if tenant == "acme" else []) + submitted
+        report = audit_log.verify(session)
+    assert report.ok, report.problems
+    assert {t: size for t, (size, _) in report.trees.items()} == {"acme": 9, "globex": 8}
 
 
 def test_a_receipt_that_cannot_be_written_fails_alone(url, held_transactions):
