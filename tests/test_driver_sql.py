@@ -12,7 +12,7 @@ from sqlalchemy.exc import IntegrityError, OperationalError
 from provenance.db import get_engine, is_transient, session_scope, write_transaction
 from provenance.driver_sql import DriverStatement
 from provenance.migrate import ensure_schema
-from provenance.models import AuditHead, Receipt
+from provenance.models import AuditHead, Receipt, ReceiptRow
 from provenance.receipt_writer import commit_receipts
 from provenance.receipts import ReceiptRecord, new_receipt_id
 from provenance.truth import ensure_tenant
@@ -87,6 +87,12 @@ def test_a_select_reads_back_what_core_selects(url):
             driver = DriverStatement(statement).execute(connection, params)
             assert driver == [tuple(row) for row in connection.execute(statement, params)]
             assert [row[0] for row in driver] == ["rcpt_a", "rcpt_c"]
+
+
+def test_a_receipt_row_names_every_column_of_the_receipts_table():
+    """The hot path inserts ``ReceiptRow``s with every parameter bound: a column added to the
+    model must be added to the row too."""
+    assert ReceiptRow._fields == tuple(column.key for column in RECEIPTS.columns)
 
 
 def test_a_constraint_violation_is_sqlalchemys_and_not_transient(url):
