@@ -9,10 +9,12 @@ import pytest
 from sqlalchemy import bindparam, insert, select, text, update
 from sqlalchemy.exc import IntegrityError, OperationalError
 
+from provenance import audit_log
 from provenance.db import get_engine, is_transient, session_scope, write_transaction
 from provenance.driver_sql import DriverStatement
+from provenance.memory import CitedChunk
 from provenance.migrate import ensure_schema
-from provenance.models import AuditHead, Receipt, ReceiptRow
+from provenance.models import AuditHead, AuditLeaf, Receipt, ReceiptCitation, ReceiptRow
 from provenance.receipt_writer import commit_receipts
 from provenance.receipts import ReceiptRecord, new_receipt_id
 from provenance.truth import ensure_tenant
@@ -144,10 +146,42 @@ def test_a_dropped_postgresql_connection_is_invalidated_and_the_next_receipt_com
         assert session.get(Receipt, receipt.receipt_id) is not None
 
 
-def record() -> ReceiptRecord:
+def test_a_group_of_two_tenants_receipts_commits_whole_with_their_citations_and_leaves(url):
+    """One transaction for the group: every receipt, each cited version once per receipt, and
+    each tenant's leaves in the group's order; the logs verify."""
+    with session_scope(url, write=True) as session:
+        ensure_tenant(session, "beta")
+    cited = [("a.md", 1), ("b.md", 2), ("a.md", 1)]
+    group = [record(tenant, cited) for tenant in ["acme", "beta", "acme", "beta", "acme"]]
+    assert commit_receipts(url, group, time.monotonic() + 30) == 1
+    ids = [r.receipt_id for r in group]
+    with session_scope(url) as session:
+        for tenant in ["acme", "beta"]:
+            logged = session.scalars(
+                select(AuditLeaf.ref).where(AuditLeaf.tenant_id == tenant, AuditLeaf.ref.in_(ids))
+                .order_by(AuditLeaf.seq)
+            ).all()
+            assert logged == [r.receipt_id for r in group if r.tenant_id == tenant]
+        citations = session.execute(
+            select(ReceiptCitation.receipt_id, ReceiptCitation.source_id, ReceiptCitation.version)
+            .where(ReceiptCitation.receipt_id.in_(ids))
+        ).all()
+        assert sorted(citations) == sorted((i, s, v) for i in ids for s, v in [("a.md", 1), ("b.md", 2)])
+        report = audit_log.verify(session)
+    assert report.ok, report.problems
+
+
+def record(tenant: str = "acme", cited: list[tuple[str, int]] = ()) -> ReceiptRecord:
+    chunks = [
+        CitedChunk(rank=i + 1, score=0.5, chunk_id=f"c{i}", chunk_hash="h", source_id=source,
+                   version=version, ordinal=0, title=source, char_start=0, char_end=1)
+        for i, (source, version) in enumerate(cited)
+    ]
     return ReceiptRecord(
-        receipt_id=new_receipt_id(), tenant_id="acme", api_key_id=None, model_id="m",
+        receipt_id=new_receipt_id(), tenant_id=tenant, api_key_id=None, model_id="m",
         weights_hash="w" * 64, messages=[{"role": "user", "content": "hi"}], sampling={},
-        engine={}, retrieval=None, prompt_text="hi", prompt_token_count=1, template_version="t",
+        engine={}, prompt_text="hi", prompt_token_count=1, template_version="t",
+        retrieval={"query": "q", "snapshot_epoch": 1, "embedding_model": "e", "chunks": chunks}
+        if chunks else None,
         created_at=datetime.now(timezone(timedelta(hours=5))),
     )
