@@ -165,30 +165,26 @@ def retrieve(
         if (score := round(float(h.score), SCORE_DECIMALS)) >= min_score
     }
     rows = visible_chunks(session, tenant_id, snapshot_epoch, list(scores))
-    ordered = sorted(rows, key=lambda pair: (-scores[pair[0].id], pair[0].chunk_hash))[:top_k]
+    ordered = sorted(rows, key=lambda c: (-scores[c.id], c.chunk_hash))[:top_k]
     chunks = tuple(
-        RetrievedChunk.of(rank, scores[c.id], c, title)
-        for rank, (c, title) in enumerate(ordered, start=1)
+        RetrievedChunk.of(rank, scores[c.id], c, c.version_title)
+        for rank, c in enumerate(ordered, start=1)
     )
     return Retrieval(query, tenant_id, snapshot_epoch, embedder.model_id, chunks)
 
 
 def visible_chunks(
     session: Session, tenant_id: str, epoch: int, chunk_ids: list[str]
-) -> list[tuple[VisibleChunk, str]]:
-    """The chunks among ``chunk_ids`` whose version SQL shows as visible at ``epoch``, with
-    their version's title. On every request's path: run on the driver's cursor
+) -> list[VisibleChunk]:
+    """The chunks among ``chunk_ids`` whose version SQL shows as visible at ``epoch``, each with
+    its version's title. On every request's path: run on the driver's cursor
     (provenance/driver_sql.py), one compiled statement per number of ids."""
     if not chunk_ids:
         return []
     params = {f"id{i}": chunk_id for i, chunk_id in enumerate(chunk_ids)}
     params["epoch"] = epoch
     rows = _visible_chunks_statement(len(chunk_ids)).execute(session, params)
-    return [
-        (chunk, chunk.version_title)
-        for chunk in map(VisibleChunk._make, rows)
-        if chunk.tenant_id == tenant_id
-    ]
+    return [chunk for chunk in map(VisibleChunk._make, rows) if chunk.tenant_id == tenant_id]
 
 
 @lru_cache(maxsize=64)
