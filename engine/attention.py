@@ -26,9 +26,6 @@ Two kernels:
 
 from __future__ import annotations
 
-import ctypes
-import functools
-import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from itertools import pairwise
@@ -36,6 +33,7 @@ from itertools import pairwise
 import torch
 import torch.nn.functional as F
 
+from engine import huge_pages
 from engine.forward_batch import ForwardBatch
 
 # attend(q [N, kv_heads, Mq, D], k [N, kv_heads, Mk, D], v, bias [N, 1, Mq, Mk]) -> [N, kv_heads, Mq, D]
@@ -65,44 +63,8 @@ def allocate_kv_cache(
     """
     shape = (num_blocks, block_size, 2, num_kv_heads, head_dim)
     if torch.device(device).type == "cpu":
-        return [_huge_page_zeros(shape, dtype) for _ in range(num_layers)]
+        return [huge_pages.zeros(shape, dtype) for _ in range(num_layers)]
     return [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
-
-
-_HUGE_PAGE = 2 << 20
-_MADV_HUGEPAGE = 14
-
-
-@functools.cache
-def _madvise():
-    try:
-        libc = ctypes.CDLL("libc.so.6", use_errno=True)
-    except OSError:  # not glibc
-        return None
-    libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-    return libc.madvise
-
-
-def _huge_page_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-    """Zeros that the OS may move onto 2 MB pages (transparent huge pages in "madvise" mode).
-
-    Decode attention reads scattered blocks: with 4 KB pages nearly every block costs TLB
-    misses. Measured, 64 decodes over a bf16 cache of 20 MB per layer on 2 cores: 2.17 ms per
-    layer on 4 KB pages, 1.99 ms on 2 MB pages. The buffer is aligned to 2 MB and advised after
-    it is zeroed: advised before, its first touch waits for the kernel to compact memory into
-    huge pages (2.9 s for a 1.5 GB cache on a Zen 3 machine, 5-9 s seen when memory is
-    fragmented, against 0.4 s), at every start. Advised after, the start is as fast as plain
-    zeros and khugepaged moves the cache onto huge pages in the background.
-    """
-    nbytes = math.prod(shape) * dtype.itemsize
-    madvise = _madvise()
-    if madvise is None or nbytes < _HUGE_PAGE:
-        return torch.zeros(shape, dtype=dtype)
-    raw = torch.empty(nbytes + _HUGE_PAGE, dtype=torch.uint8)
-    offset = -raw.data_ptr() % _HUGE_PAGE
-    zeros = raw[offset : offset + nbytes].view(dtype).view(shape).zero_()
-    madvise(raw.data_ptr() + offset, nbytes // _HUGE_PAGE * _HUGE_PAGE, _MADV_HUGEPAGE)  # advisory
-    return zeros
 
 
 def _torch_attend(

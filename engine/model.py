@@ -49,7 +49,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from engine import cpu_kernels
+from engine import cpu_kernels, huge_pages
 from engine.attention import (
     FIXED_ALL,
     FIXED_DECODES,
@@ -319,6 +319,20 @@ def _block_linear(parts: Sequence[Any]) -> cpu_kernels.QuantLinear | None:
     return cpu_kernels.QuantLinear(blocks, parts[0].qtype, parts[0].in_features)
 
 
+def _weights_onto_huge_pages(linears: Sequence[Any]) -> None:
+    """Move the weights our kernels stream every step (bf16 panels, GGUF blocks) into one
+    buffer on 2 MB pages (engine/huge_pages.py); oneDNN keeps its packed weights where it put
+    them."""
+    kernels = [k for lin in linears
+               for k in ((lin.blocks, lin.dense) if isinstance(lin, _BlockLinear) else (lin,))]
+    owners = [(k, "packed" if isinstance(k, cpu_kernels.Bf16Linear) else "blocks")
+              for k in kernels
+              if isinstance(k, cpu_kernels.Bf16Linear | cpu_kernels.QuantLinear)]
+    moved = huge_pages.copies([getattr(k, name) for k, name in owners])
+    for (kernel, name), tensor in zip(owners, moved, strict=True):
+        setattr(kernel, name, tensor)
+
+
 @dataclass(slots=True)
 class _Layer:
     input_norm: torch.Tensor
@@ -460,6 +474,9 @@ class LlamaModel:
         self.rope = torch.polar(torch.ones_like(angles), angles).unsqueeze(1)
         self._torch_ops = TorchLayerOps(self.rope, dtype)
         self._kernel_ops = KernelLayerOps(self.rope) if self._kernels else None
+        if self._kernels:
+            _weights_onto_huge_pages([self.lm_head, *(lin for layer in self.layers for lin in (
+                layer.qkv, layer.o, layer.gate_up, layer.down))])
         # None where some call is not our kernel; set to None, every step calls the layers' kernels
         # one by one from Python (the test of the stack compares the two)
         self.block_stack, self._block_stack_rows = self._build_block_stack()
