@@ -26,7 +26,7 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from threading import Lock
-from typing import Any, Protocol
+from typing import Any, NamedTuple, Protocol
 
 import numpy as np
 
@@ -37,15 +37,11 @@ SCAN_PAGE = 1024
 # Range conditions travel as float64, where OPEN_EPOCH (2^63 - 1) rounds up to 2^63; real epochs
 # stay far below 2^53, so "closed" is ``valid_to < CLOSED_BELOW``, a bound floats hold exactly.
 CLOSED_BELOW = 2**53
-PAYLOAD_FIELDS = [
-    "tenant",
-    "source_id",
-    "version",
-    "chunk_id",
-    "chunk_hash",
-    "valid_from",
-    "valid_to",
-]
+# What a search reads of each hit's payload: what the order and the snapshot check need. The chunk
+# id is also the point's id, but reading that builds a uuid.UUID per hit; every field fetched
+# costs the search too (warm, 13 hits of 372 points: 0.32 ms a search with seven fields and the
+# id, 0.17 ms as now).
+SEARCH_PAYLOAD = ["chunk_id", "chunk_hash", "valid_from", "valid_to"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -89,13 +85,10 @@ class IndexPoint:
         return self.payload() == other.payload()
 
 
-@dataclass(frozen=True, slots=True)
-class IndexHit:
+class IndexHit(NamedTuple):
     chunk_id: str
     score: float
     chunk_hash: str
-    source_id: str
-    version: int
     valid_from: int
     valid_to: int
 
@@ -144,17 +137,16 @@ class VectorIndex(Protocol):
     def close(self) -> None: ...
 
 
-def _hit(point_id: Any, score: float, payload: dict[str, Any]) -> IndexHit:
+def _hit(score: float, payload: dict[str, Any]) -> IndexHit:
+    """A hit from its score and its SEARCH_PAYLOAD."""
     return IndexHit(
-        chunk_id=str(point_id),
+        payload["chunk_id"],
         # Qdrant scores are float32; qdrant-client's local mode computes in float64 and its last
         # bits vary between calls, so every backend's score is cut to float32.
-        score=float(np.float32(score)),
-        chunk_hash=payload["chunk_hash"],
-        source_id=payload["source_id"],
-        version=int(payload["version"]),
-        valid_from=int(payload["valid_from"]),
-        valid_to=int(payload["valid_to"]),
+        float(np.float32(score)),
+        payload["chunk_hash"],
+        int(payload["valid_from"]),
+        int(payload["valid_to"]),
     )
 
 
@@ -385,10 +377,10 @@ class EdgeIndex(_QdrantIndex):
                 limit=limit,
                 filter=self._visible_filter(tenant_id, snapshot_epoch),
                 params=qe.SearchParams(exact=True),
-                with_payload=PAYLOAD_FIELDS,
+                with_payload=SEARCH_PAYLOAD,
             )
         )
-        return [_hit(p.id, p.score, p.payload) for p in found]
+        return [_hit(p.score, p.payload) for p in found]
 
     def _latest_close(self, tenant_id: str) -> int:
         """As scrolled at this generation. A search that reads it before and after its query
@@ -538,9 +530,9 @@ class QdrantClientIndex(_QdrantIndex):
             limit=limit,
             # Local mode is always brute force and warns about search params.
             search_params=None if self._is_local else self._api.SearchParams(exact=True),
-            with_payload=PAYLOAD_FIELDS,
+            with_payload=SEARCH_PAYLOAD,
         )
-        return [_hit(p.id, p.score, p.payload) for p in response.points]
+        return [_hit(p.score, p.payload) for p in response.points]
 
     def _latest_close(self, tenant_id: str) -> int:
         qm = self._api

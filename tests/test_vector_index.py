@@ -225,7 +225,7 @@ def test_client_index_refuses_a_collection_of_another_dimension():
 def test_exact_top_fetches_more_while_the_cut_is_tied():
     scores = [0.9, 0.5, 0.5, 0.5, 0.5, 0.1]
     pool = [
-        IndexHit(str(i), s, f"{(10 - i):064x}", "s", 1, 1, OPEN_EPOCH) for i, s in enumerate(scores)
+        IndexHit(str(i), s, f"{(10 - i):064x}", 1, OPEN_EPOCH) for i, s in enumerate(scores)
     ]
     fetched = []
 
