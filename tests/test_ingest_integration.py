@@ -266,7 +266,8 @@ def test_a_worker_ingests_then_versions_changes_and_deletions(deployment, tmp_pa
         for epoch, present in [(1, True), (2, True), (3, False)]:
             hits = index.search("acme", query, epoch, 5)
             assert (hits[0].chunk_id == deleted_chunk.chunk_id) is present
-            assert all(snapshots[epoch].get(h.source_id) == h.version for h in hits)
+            assert all(snapshots[epoch].get(expected[h.chunk_id].source_id)
+                       == expected[h.chunk_id].version for h in hits)
     finally:
         index.close()
 
