@@ -80,6 +80,9 @@ class Services:
         # Fitting the context budget measures every retrieved chunk in tokens; a chunk's text
         # never changes and similar questions cite the same chunks (4,096 remembered).
         self._token_counts = lru_cache(maxsize=4096)(lambda text: len(self.tokenizer.encode(text)))
+        # Retrieval runs at committed epochs only (a later snapshot is refused), whose truth
+        # never changes: what SQL said of a chunk there is remembered.
+        self.visibility = memory.VisibilityCache()
 
     async def start(self) -> None:
         """The engine thread starts with the AsyncEngine; the catch-up loop starts here."""
@@ -203,6 +206,7 @@ class Services:
                     top_k or self.settings.retrieval_top_k,
                     vector,
                     self.settings.retrieval_min_score,
+                    self.visibility,
                 )
             chunks = memory.fit_to_budget(
                 retrieval.chunks, self.settings.context_token_budget, self.count_tokens

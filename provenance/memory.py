@@ -7,9 +7,11 @@ be rebuilt later without running retrieval again.
 """
 
 import math
+from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, fields, replace
 from functools import lru_cache
+from threading import Lock
 from typing import Any, NamedTuple, Protocol
 
 import numpy as np
@@ -152,8 +154,10 @@ def retrieve(
     top_k: int,
     vector: np.ndarray | None = None,
     min_score: float = -math.inf,
+    visibility: "VisibilityCache | None" = None,
 ) -> Retrieval:
-    """Top-k chunks visible at the snapshot; ``vector`` is the query's embedding if already known."""
+    """Top-k chunks visible at the snapshot; ``vector`` is the query's embedding if already known.
+    ``visibility``: a cache of what SQL said, for a caller that knows the snapshot is committed."""
     if vector is None:
         vector = embedder.embed([query])[0]
     # Over-fetch: a hit the index still shows but SQL says is not visible is dropped below.
@@ -164,7 +168,8 @@ def retrieve(
         for h in hits
         if (score := round(float(h.score), SCORE_DECIMALS)) >= min_score
     }
-    rows = visible_chunks(session, tenant_id, snapshot_epoch, list(scores))
+    look_up = visible_chunks if visibility is None else visibility.visible_chunks
+    rows = look_up(session, tenant_id, snapshot_epoch, list(scores))
     ordered = sorted(rows, key=lambda c: (-scores[c.id], c.chunk_hash))[:top_k]
     chunks = tuple(
         RetrievedChunk.of(rank, scores[c.id], c, c.version_title)
@@ -185,6 +190,41 @@ def visible_chunks(
     params["epoch"] = epoch
     rows = _visible_chunks_statement(len(chunk_ids)).execute(session, params)
     return [chunk for chunk in map(VisibleChunk._make, rows) if chunk.tenant_id == tenant_id]
+
+
+class VisibilityCache:
+    """What SQL said of chunks at committed epochs, by tenant, epoch and chunk id: the chunk's
+    row, or None where it was not visible. A committed epoch's truth never changes (a version is
+    only ever closed at a later epoch, never deleted or rewritten), so no entry goes stale; the
+    least recently used go past ``max_entries``. Only for epochs known to be committed: a later
+    one may still gain versions. Similar questions cite the same chunks: on the Zen 4 kind the
+    visibility check took 0.31 ms of a request's retrieval, right after a decode."""
+
+    def __init__(self, max_entries: int = 4096):
+        self.max_entries = max_entries
+        self._rows: OrderedDict[tuple[str, int, str], VisibleChunk | None] = OrderedDict()
+        self._lock = Lock()
+
+    def visible_chunks(
+        self, session: Session, tenant_id: str, epoch: int, chunk_ids: list[str]
+    ) -> list[VisibleChunk]:
+        """As ``visible_chunks``, asking SQL only about the ids not known yet."""
+        known: dict[str, VisibleChunk | None] = {}
+        with self._lock:
+            for chunk_id in chunk_ids:
+                key = (tenant_id, epoch, chunk_id)
+                if key in self._rows:
+                    self._rows.move_to_end(key)
+                    known[chunk_id] = self._rows[key]
+        missing = [chunk_id for chunk_id in chunk_ids if chunk_id not in known]
+        if missing:
+            found = {row.id: row for row in visible_chunks(session, tenant_id, epoch, missing)}
+            with self._lock:
+                for chunk_id in missing:
+                    known[chunk_id] = self._rows[(tenant_id, epoch, chunk_id)] = found.get(chunk_id)
+                while len(self._rows) > self.max_entries:
+                    self._rows.popitem(last=False)
+        return [row for chunk_id in chunk_ids if (row := known[chunk_id]) is not None]
 
 
 @lru_cache(maxsize=64)

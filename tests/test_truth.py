@@ -266,6 +266,37 @@ def test_the_visibility_check_drops_another_tenants_chunk_that_the_index_returns
     index.close()
 
 
+def test_the_visibility_cache_answers_as_sql_did_and_asks_only_about_new_ids(
+    sessions, index, monkeypatch
+):
+    commit(sessions, index, draft("a", ["acme's own words", "and more of them"], title="A"))
+    commit(sessions, index, draft("b", ["beta's secret words"]), tenant="beta")
+    commit(sessions, index, draft("a", ["acme's second draft"], title="A2"))  # epoch 2: v1 closed
+    ours = [truth.chunk_id("acme", "a", 1, i) for i in range(2)]
+    newer = truth.chunk_id("acme", "a", 2, 0)
+    theirs = truth.chunk_id("beta", "b", 1, 0)
+    asked: list[list[str]] = []
+    real = memory.visible_chunks
+
+    def counted(session, tenant_id, epoch, chunk_ids):
+        asked.append(list(chunk_ids))
+        return real(session, tenant_id, epoch, chunk_ids)
+
+    monkeypatch.setattr(memory, "visible_chunks", counted)
+    cache = memory.VisibilityCache(max_entries=5)
+    ids = [*ours, newer, theirs, "unknown"]
+    with sessions() as s:
+        for epoch in (1, 2):
+            expected = sorted(real(s, "acme", epoch, ids))
+            assert expected and sorted(cache.visible_chunks(s, "acme", epoch, ids)) == expected
+            # Known ids never reach the session (None here)
+            assert sorted(cache.visible_chunks(None, "acme", epoch, ids[::-1])) == expected
+        assert [row.id for row in cache.visible_chunks(None, "acme", 2, ids)] == [newer]
+        # Five entries kept: epoch 1's were the least recently used, and are asked again.
+        assert [row.id for row in cache.visible_chunks(s, "acme", 1, ours)] == ours
+        assert asked == [ids, ids, ours]
+        assert [row.id for row in cache.visible_chunks(s, "beta", 1, [theirs, ours[0]])] == [theirs]
+
 def retrieve(sessions, index, query, epoch=None, top_k=10):
     with sessions() as s:
         epoch = truth.current_epoch(s, "acme") if epoch is None else epoch
