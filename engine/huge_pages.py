@@ -46,8 +46,8 @@ def copies(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
 
     For weights, which every decode step streams whole: on 2 Zen 4 cores (AMD EPYC family 25
     model 17) a batch-1 decode of the bundled model in bf16 (269 MB of packed weights) took
-    11.1-11.8 ms against 12.0-12.6 on 4 KB pages (medians of 5 and 8 alternations); the copy
-    took 0.5-0.7 s once, at load, compaction included.
+    8.9-10.0 ms against 11.3-11.7 on 4 KB pages (medians of 6 decodes, three alternations of a
+    process each); building the model took 0.5 s longer, compaction included.
     """
     sizes = [t.numel() * t.element_size() for t in tensors]
     offsets = [0]
