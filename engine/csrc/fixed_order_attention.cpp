@@ -333,7 +333,7 @@ torch::Tensor paged_attention(torch::Tensor q, torch::Tensor cache, torch::Tenso
   // Taken so, 16 decodes at 404-532 beside 176 prompt tokens took 26.1-26.8 ms over the bundled
   // model's 30 layers against 27.8-29.9 (bf16 cache, medians of 40 steps, two alternations).
   // Which thread computes a run never changes its bits.
-  std::vector<int64_t> run_at, run_count, cost;
+  std::vector<int64_t> run_at, cost;  // each run's first token (then num_tokens), its estimate
   for (int64_t t = 0; t < num_tokens;) {
     int64_t count = 1;
     while (count < kRunTokens && t + count < num_tokens && seq_of[t + count] == seq_of[t] &&
@@ -342,11 +342,11 @@ torch::Tensor paged_attention(torch::Tensor q, torch::Tensor cache, torch::Tenso
     int64_t keys = pos_of[t + count - 1] + 1;
     for (int64_t i = 0; i < count; ++i) keys += pos_of[t + i] + 1;
     run_at.push_back(t);
-    run_count.push_back(count);
     cost.push_back(keys);
     t += count;
   }
-  const int64_t runs = static_cast<int64_t>(run_at.size());
+  const int64_t runs = static_cast<int64_t>(cost.size());
+  run_at.push_back(num_tokens);
   std::vector<int64_t> order(runs);
   std::iota(order.begin(), order.end(), 0);
   std::stable_sort(order.begin(), order.end(),
@@ -360,7 +360,7 @@ torch::Tensor paged_attention(torch::Tensor q, torch::Tensor cache, torch::Tenso
     std::vector<Token<uint16_t>> tokens16;
     std::vector<float> scores, scratch;
     for (int64_t i; (i = next.fetch_add(1, std::memory_order_relaxed)) < runs;) {
-      const int64_t r = order[i], t = run_at[r], count = run_count[r];
+      const int64_t r = order[i], t = run_at[r], count = run_at[r + 1] - t;
       const float* qt = q_data + t * q_stride;
       float* o = out_data + t * heads * head_dim;
       const int32_t* table = L.tables + seq_of[t] * L.max_blocks;
