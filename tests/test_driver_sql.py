@@ -10,12 +10,12 @@ from sqlalchemy import bindparam, insert, select, text, update
 from sqlalchemy.exc import IntegrityError, OperationalError
 
 from provenance import audit_log
-from provenance.db import get_engine, is_transient, session_scope, write_transaction
+from provenance.db import get_engine, is_transient, session_scope
 from provenance.driver_sql import DriverStatement
 from provenance.memory import CitedChunk
 from provenance.migrate import ensure_schema
 from provenance.models import AuditHead, AuditLeaf, Receipt, ReceiptCitation, ReceiptRow
-from provenance.receipt_writer import commit_receipts
+from provenance.receipt_writer import CommitterConnection, commit_receipts
 from provenance.receipts import ReceiptRecord, new_receipt_id
 from provenance.truth import ensure_tenant
 
@@ -48,7 +48,7 @@ def test_rows_written_on_the_driver_read_back_as_rows_written_by_core(url):
     """Same JSON, same instant (SQLite keeps DateTime as UTC text; PostgreSQL as timestamptz),
     whichever way the row went in."""
     at = datetime(2026, 12, 3, 6, 30, 15, 123456, tzinfo=UTC)
-    with write_transaction(url) as connection:
+    with CommitterConnection(url).transaction() as connection:
         DriverStatement(insert(RECEIPTS)).execute(connection, receipt_row("rcpt_driver", at))
         connection.execute(insert(RECEIPTS), receipt_row("rcpt_core", at))
     with session_scope(url) as session:
@@ -66,7 +66,7 @@ def test_returning_rows_come_back_through_the_column_types(url):
         update(HEAD).where(HEAD.c.tenant_id == bindparam("tenant"))
         .values(size=HEAD.c.size + bindparam("advance")).returning(HEAD.c.size, HEAD.c.frontier)
     )
-    with write_transaction(url) as connection:
+    with CommitterConnection(url).transaction() as connection:
         connection.execute(insert(HEAD), {"tenant_id": "acme", "size": 5, "frontier": ["ab", "cd"]})
         assert advance.execute(connection, {"tenant": "acme", "advance": 3}) == [(8, ["ab", "cd"])]
         assert advance.execute(connection, {"tenant": "nobody", "advance": 1}) == []
@@ -76,7 +76,7 @@ def test_a_select_reads_back_what_core_selects(url):
     """Rows through the columns' types where they have result processors (SQLite keeps DateTime
     and JSON as text), and as the driver gives them where they have none."""
     at = datetime(2026, 12, 3, 6, 30, 15, 123456, tzinfo=UTC)
-    with write_transaction(url) as connection:
+    with CommitterConnection(url).transaction() as connection:
         for receipt_id in ["rcpt_a", "rcpt_b", "rcpt_c"]:
             connection.execute(insert(RECEIPTS), receipt_row(receipt_id, at))
     ids = [bindparam("first"), bindparam("second")]
@@ -102,7 +102,7 @@ def test_a_constraint_violation_is_sqlalchemys_and_not_transient(url):
     and the transaction it happened in rolls back whole."""
     at = datetime.now(UTC)
     statement = DriverStatement(insert(RECEIPTS))
-    with pytest.raises(IntegrityError) as raised, write_transaction(url) as connection:
+    with pytest.raises(IntegrityError) as raised, CommitterConnection(url).transaction() as connection:
         statement.execute(connection, receipt_row("rcpt_once", at))
         statement.execute(connection, receipt_row("rcpt_once", at))
     assert not is_transient(raised.value)
@@ -141,9 +141,51 @@ def test_a_dropped_postgresql_connection_is_invalidated_and_the_next_receipt_com
         assert is_transient(raised.value) and raised.value.connection_invalidated
         assert connection.invalidated
     receipt = record()
-    assert commit_receipts(url, [receipt], time.monotonic() + 30) == 1
+    assert commit_receipts(CommitterConnection(url), [receipt], time.monotonic() + 30) == 1
     with session_scope(url) as session:
         assert session.get(Receipt, receipt.receipt_id) is not None
+
+
+def test_the_committers_kept_connection_cut_by_the_server_is_replaced_at_the_next_attempt(request):
+    """The committer keeps its connection between commits: the server ends it in between (as a
+    restart does), the next commit's first attempt meets a transient error, and its second commits
+    on a fresh connection."""
+    url = request.getfixturevalue("pg_url")
+    ensure_schema(url)
+    with session_scope(url, write=True) as session:
+        ensure_tenant(session, "acme")
+    database = CommitterConnection(url)
+    first, second = record(), record()
+    assert commit_receipts(database, [first], time.monotonic() + 30) == 1
+    with database.transaction() as connection:
+        pid = connection.scalar(text("SELECT pg_backend_pid()"))
+    with get_engine(url).connect() as other:
+        other.execute(text("SELECT pg_terminate_backend(:pid)"), {"pid": pid})
+    assert commit_receipts(database, [second], time.monotonic() + 30) == 2
+    with database.transaction() as connection:
+        assert connection.scalar(text("SELECT pg_backend_pid()")) != pid
+    database.close()
+    with session_scope(url) as session:
+        assert all(session.get(Receipt, r.receipt_id) is not None for r in [first, second])
+
+
+def test_a_failed_transaction_drops_the_committers_connection(url):
+    """Nothing of a failed transaction carries over: the next one runs on another connection
+    and commits."""
+    database = CommitterConnection(url)
+    statement = DriverStatement(insert(RECEIPTS))
+    at = datetime.now(UTC)
+    with pytest.raises(IntegrityError), database.transaction() as connection:
+        failed_on = connection
+        statement.execute(connection, receipt_row("rcpt_twice", at))
+        statement.execute(connection, receipt_row("rcpt_twice", at))
+    assert failed_on.closed
+    with database.transaction() as connection:
+        assert connection is not failed_on
+        statement.execute(connection, receipt_row("rcpt_twice", at))
+    database.close()
+    with session_scope(url) as session:
+        assert session.get(Receipt, "rcpt_twice") is not None
 
 
 def test_a_group_of_two_tenants_receipts_commits_whole_with_their_citations_and_leaves(url):
@@ -153,7 +195,7 @@ def test_a_group_of_two_tenants_receipts_commits_whole_with_their_citations_and_
         ensure_tenant(session, "beta")
     cited = [("a.md", 1), ("b.md", 2), ("a.md", 1)]
     group = [record(tenant, cited) for tenant in ["acme", "beta", "acme", "beta", "acme"]]
-    assert commit_receipts(url, group, time.monotonic() + 30) == 1
+    assert commit_receipts(CommitterConnection(url), group, time.monotonic() + 30) == 1
     ids = [r.receipt_id for r in group]
     with session_scope(url) as session:
         for tenant in ["acme", "beta"]:
