@@ -3,6 +3,8 @@ would: the same rows read back through the ORM, SQLAlchemy's exception classes, 
 PostgreSQL connection invalidated so that the next receipt commits on a fresh one."""
 
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from datetime import UTC, datetime, timedelta, timezone
 
 import pytest
@@ -44,11 +46,21 @@ def receipt_row(receipt_id: str, created_at: datetime) -> dict:
     }
 
 
+@contextmanager
+def committer(url: str) -> Iterator[CommitterConnection]:
+    """The receipt committer's connection, closed when the test is done with it."""
+    database = CommitterConnection(url)
+    try:
+        yield database
+    finally:
+        database.close()
+
+
 def test_rows_written_on_the_driver_read_back_as_rows_written_by_core(url):
     """Same JSON, same instant (SQLite keeps DateTime as UTC text; PostgreSQL as timestamptz),
     whichever way the row went in."""
     at = datetime(2026, 12, 3, 6, 30, 15, 123456, tzinfo=UTC)
-    with CommitterConnection(url).transaction() as connection:
+    with committer(url) as database, database.transaction() as connection:
         DriverStatement(insert(RECEIPTS)).execute(connection, receipt_row("rcpt_driver", at))
         connection.execute(insert(RECEIPTS), receipt_row("rcpt_core", at))
     with session_scope(url) as session:
@@ -66,7 +78,7 @@ def test_returning_rows_come_back_through_the_column_types(url):
         update(HEAD).where(HEAD.c.tenant_id == bindparam("tenant"))
         .values(size=HEAD.c.size + bindparam("advance")).returning(HEAD.c.size, HEAD.c.frontier)
     )
-    with CommitterConnection(url).transaction() as connection:
+    with committer(url) as database, database.transaction() as connection:
         connection.execute(insert(HEAD), {"tenant_id": "acme", "size": 5, "frontier": ["ab", "cd"]})
         assert advance.execute(connection, {"tenant": "acme", "advance": 3}) == [(8, ["ab", "cd"])]
         assert advance.execute(connection, {"tenant": "nobody", "advance": 1}) == []
@@ -76,7 +88,7 @@ def test_a_select_reads_back_what_core_selects(url):
     """Rows through the columns' types where they have result processors (SQLite keeps DateTime
     and JSON as text), and as the driver gives them where they have none."""
     at = datetime(2026, 12, 3, 6, 30, 15, 123456, tzinfo=UTC)
-    with CommitterConnection(url).transaction() as connection:
+    with committer(url) as database, database.transaction() as connection:
         for receipt_id in ["rcpt_a", "rcpt_b", "rcpt_c"]:
             connection.execute(insert(RECEIPTS), receipt_row(receipt_id, at))
     ids = [bindparam("first"), bindparam("second")]
@@ -102,7 +114,11 @@ def test_a_constraint_violation_is_sqlalchemys_and_not_transient(url):
     and the transaction it happened in rolls back whole."""
     at = datetime.now(UTC)
     statement = DriverStatement(insert(RECEIPTS))
-    with pytest.raises(IntegrityError) as raised, CommitterConnection(url).transaction() as connection:
+    with (
+        pytest.raises(IntegrityError) as raised,
+        committer(url) as database,
+        database.transaction() as connection,
+    ):
         statement.execute(connection, receipt_row("rcpt_once", at))
         statement.execute(connection, receipt_row("rcpt_once", at))
     assert not is_transient(raised.value)
@@ -141,7 +157,8 @@ def test_a_dropped_postgresql_connection_is_invalidated_and_the_next_receipt_com
         assert is_transient(raised.value) and raised.value.connection_invalidated
         assert connection.invalidated
     receipt = record()
-    assert commit_receipts(CommitterConnection(url), [receipt], time.monotonic() + 30) == 1
+    with committer(url) as database:
+        assert commit_receipts(database, [receipt], time.monotonic() + 30) == 1
     with session_scope(url) as session:
         assert session.get(Receipt, receipt.receipt_id) is not None
 
@@ -154,17 +171,16 @@ def test_the_committers_kept_connection_cut_by_the_server_is_replaced_at_the_nex
     ensure_schema(url)
     with session_scope(url, write=True) as session:
         ensure_tenant(session, "acme")
-    database = CommitterConnection(url)
-    first, second = record(), record()
-    assert commit_receipts(database, [first], time.monotonic() + 30) == 1
-    with database.transaction() as connection:
-        pid = connection.scalar(text("SELECT pg_backend_pid()"))
-    with get_engine(url).connect() as other:
-        other.execute(text("SELECT pg_terminate_backend(:pid)"), {"pid": pid})
-    assert commit_receipts(database, [second], time.monotonic() + 30) == 2
-    with database.transaction() as connection:
-        assert connection.scalar(text("SELECT pg_backend_pid()")) != pid
-    database.close()
+    with committer(url) as database:
+        first, second = record(), record()
+        assert commit_receipts(database, [first], time.monotonic() + 30) == 1
+        with database.transaction() as connection:
+            pid = connection.scalar(text("SELECT pg_backend_pid()"))
+        with get_engine(url).connect() as other:
+            other.execute(text("SELECT pg_terminate_backend(:pid)"), {"pid": pid})
+        assert commit_receipts(database, [second], time.monotonic() + 30) == 2
+        with database.transaction() as connection:
+            assert connection.scalar(text("SELECT pg_backend_pid()")) != pid
     with session_scope(url) as session:
         assert all(session.get(Receipt, r.receipt_id) is not None for r in [first, second])
 
@@ -172,18 +188,17 @@ def test_the_committers_kept_connection_cut_by_the_server_is_replaced_at_the_nex
 def test_a_failed_transaction_drops_the_committers_connection(url):
     """Nothing of a failed transaction carries over: the next one runs on another connection
     and commits."""
-    database = CommitterConnection(url)
-    statement = DriverStatement(insert(RECEIPTS))
-    at = datetime.now(UTC)
-    with pytest.raises(IntegrityError), database.transaction() as connection:
-        failed_on = connection
-        statement.execute(connection, receipt_row("rcpt_twice", at))
-        statement.execute(connection, receipt_row("rcpt_twice", at))
-    assert failed_on.closed
-    with database.transaction() as connection:
-        assert connection is not failed_on
-        statement.execute(connection, receipt_row("rcpt_twice", at))
-    database.close()
+    with committer(url) as database:
+        statement = DriverStatement(insert(RECEIPTS))
+        at = datetime.now(UTC)
+        with pytest.raises(IntegrityError), database.transaction() as connection:
+            failed_on = connection
+            statement.execute(connection, receipt_row("rcpt_twice", at))
+            statement.execute(connection, receipt_row("rcpt_twice", at))
+        assert failed_on.closed
+        with database.transaction() as connection:
+            assert connection is not failed_on
+            statement.execute(connection, receipt_row("rcpt_twice", at))
     with session_scope(url) as session:
         assert session.get(Receipt, "rcpt_twice") is not None
 
@@ -195,7 +210,8 @@ def test_a_group_of_two_tenants_receipts_commits_whole_with_their_citations_and_
         ensure_tenant(session, "beta")
     cited = [("a.md", 1), ("b.md", 2), ("a.md", 1)]
     group = [record(tenant, cited) for tenant in ["acme", "beta", "acme", "beta", "acme"]]
-    assert commit_receipts(CommitterConnection(url), group, time.monotonic() + 30) == 1
+    with committer(url) as database:
+        assert commit_receipts(database, group, time.monotonic() + 30) == 1
     ids = [r.receipt_id for r in group]
     with session_scope(url) as session:
         for tenant in ["acme", "beta"]:
