@@ -115,7 +115,9 @@ void attend_portable(const Token<T>& t, std::vector<float>& acc) {
 // at 450 over 30 layers' bf16 caches on shuffled blocks (Zen 4, AMD EPYC family 25 model 17,
 // 2 cores, medians of 30 calls in three alternations): 10.6-11.9 ms against 13.0-13.5 with the
 // burst; at 600, 13.0-14.4 against 15.6-15.8; a 192-token prompt chunk unchanged (noisy, 34.8-
-// 46.6 against 35.4-44.5). Asking two tiles ahead instead of one: 12.4 and 14.5-17.4 ms.
+// 46.6 against 35.4-44.5). Asking two tiles ahead instead of one: 12.4 and 14.5-17.4 ms. The
+// AVX2 path on the same CPU: 12.9-13.9 against 17.0-18.1 ms at 450, 15.9-17.4 against 22.7-24.9
+// at 600, the prompt chunk 55.3-55.6 against 59.8-61.3.
 #if defined(INHERENT_AVX2) || defined(INHERENT_AVX512)
 template <typename T>
 inline void prefetch_slot(const T* slot, int64_t bytes) {
