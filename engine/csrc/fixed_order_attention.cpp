@@ -168,7 +168,8 @@ inline void values_of(int64_t count, const Token<T>& t, int64_t first, int64_t v
 }
 
 // Keys first..first + W - 1 of every KV head as float, [head][key][D]: read once for every
-// query head (and every token of a run) that scores them.
+// query head (and every token of a run) that scores them. `ahead` (null: none): W slots to
+// ask for, one as each key converts.
 template <class V, int D, typename T>
 inline void key_tile(const T* const* keys, int64_t first, int64_t kv_heads, float* tile,
                      const T* const* ahead, int64_t slot_bytes) {
