@@ -112,12 +112,8 @@ void attend_portable(const Token<T>& t, std::vector<float>& acc) {
 // into L1 2.20 ms (the prefetches stall on L1's few miss buffers), into L2 1.61 ms. The slots
 // of the next tile are asked for one per key as key_tile converts the current tile, not all
 // at once: a burst of 16 slots (192 lines) stalled the core on the miss buffers too. 16 decodes
-// at 450 over 30 layers' bf16 caches on shuffled blocks (Zen 4, AMD EPYC family 25 model 17,
-// 2 cores, medians of 30 calls in three alternations): 10.6-11.9 ms against 13.0-13.5 with the
-// burst; at 600, 13.0-14.4 against 15.6-15.8; a 192-token prompt chunk unchanged (noisy, 34.8-
-// 46.6 against 35.4-44.5). Asking two tiles ahead instead of one: 12.4 and 14.5-17.4 ms. The
-// AVX2 path on the same CPU: 12.9-13.9 against 17.0-18.1 ms at 450, 15.9-17.4 against 22.7-24.9
-// at 600, the prompt chunk 55.3-55.6 against 59.8-61.3.
+// at 450 over 30 layers' bf16 caches on shuffled blocks (2 Zen 4 cores): 10.6-11.9 ms against
+// 13.0-13.5 with the burst, 12.9-13.9 against 17.0-18.1 on the AVX2 path (docs/architecture.md).
 #if defined(INHERENT_AVX2) || defined(INHERENT_AVX512)
 template <typename T>
 inline void prefetch_slot(const T* slot, int64_t bytes) {
