@@ -283,8 +283,9 @@ class _Linear:
 
 # Most rows a matmul runs on the GGUF blocks before the dense kernel takes over: reading 0.6-1
 # byte a weight wins while the weights' bytes dominate, the blocks' float32 FMAs lose once
-# arithmetic does. Against our bf16 kernel on AMX tiles, from 4 rows (a bundled-model decode step
-# on 2 Xeon cores: blocks against the kernel 11.5 against 17 ms at 1 row, 14.6 against 20 at 4);
+# arithmetic does. Against our bf16 kernel on AMX tiles, from 5 rows (the bundled model's 120
+# decoder matmuls on 2 Xeon cores, weights from memory: blocks against the kernel 4.7 against
+# 8.5 ms at 1 row, 6.3-6.4 against 8.5-8.7 at 4, 10.7-10.8 against 8.7-8.9 at 6);
 # on AVX512-BF16 dot products, from 8, where the blocks leave tiles for a dequantized panel (2 Zen 5
 # cores, AMD EPYC family 26 model 2, two runs: 9.0-10.5 against 10.9-13.9 ms at 5-7 rows, 14.9-16.8
 # against 13.4-14.3 at 8). Against oneDNN's float32 GEMM, from 16-32 rows (2 Zen 3 cores, a
