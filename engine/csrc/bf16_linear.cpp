@@ -139,10 +139,9 @@ void amx_linear(const torch::Tensor& x, const uint32_t* wp, int64_t num_panels, 
   const int64_t groups = num_panels / 2;
   // A thread takes whole panel pairs; every row block passes over a pair while it is in
   // cache (36 KB at k = 576). Every matmul splits across the threads, however few its rows: a
-  // decode step's weights stream from memory, and one core reads them at half the rate two
-  // do. The bundled model's 120 decoder matmuls on 2 Xeon cores with AMX: 7.9-8.5 ms at 1 row
-  // and 8.3-8.9 at 16, against 11.3-12.5 and 12.2-13.3 when matrices of up to 1,024 columns
-  // ran on one thread (the old grain of 512 / padded rows pairs).
+  // decode step's weights stream from memory, and one core reads them at half the rate two do
+  // (the bundled model's decoder matmuls at 1 row on 2 Xeon cores: 8.5 against 12 ms with
+  // matrices of up to 1,024 columns on one thread; docs/architecture.md).
   at::parallel_for(0, groups, 1, [&](int64_t begin, int64_t end) {
     const TileConfig config;
     _tile_loadconfig(&config);
