@@ -128,8 +128,9 @@ inline void prefetch_slot(const T* slot, int64_t bytes) {
 
 // softmax's operations, W scores at a time: the same bits (a maximum is exact in any order;
 // the exp is exp_nonpositive's, the sum softmax's 16 lanes). The compiler's own vectorization
-// of softmax kept its maximum scalar and its exp 8 lanes wide: 14 % of a prefill chunk's
-// attention on 2 Xeon cores with AVX-512.
+// of softmax kept its maximum scalar and its exp 8 lanes wide. A 176-token chunk at positions
+// 450-625 over 30 layers' bf16 caches on 2 Xeon cores (family 6 model 167): 57.5-58.0 ms
+// against 62.0-62.5.
 template <class V>
 void softmax_vectorized(float* s, int64_t n) {
   using F = typename V::F;
