@@ -114,6 +114,22 @@ def test_vectorized_attention_computes_the_portable_bits(path, dtype, heads, kv_
         assert torch.equal(fast, portable)
 
 
+@pytest.mark.parametrize("path", VECTOR_PATHS)
+@pytest.mark.parametrize("scale", [30.0, 1e4])
+def test_vectorized_softmax_keeps_the_portable_bits_in_the_far_tails(path, scale):
+    """Scores far apart: most weights fall past exp's clamp at -87 or underflow, the top one
+    nears 1; the vectorized softmax still gives the portable bits (lengths past and short of
+    whole vectors)."""
+    require(path)
+    q, cache, tables, seq, positions = paged_case(
+        1, heads=9, kv_heads=3, head_dim=64, block_size=16, positions=POSITIONS,
+        dtype=torch.bfloat16)
+    case = (q * scale, cache, tables, seq, positions)
+    fast = kernel.paged_attention(*case, 64**-0.5, path=path)
+    assert torch.isfinite(fast).all()
+    assert torch.equal(fast, kernel.paged_attention(*case, 64**-0.5, path="portable"))
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize(("heads", "kv_heads", "head_dim", "block_size"), SHAPES)
 def test_prefill_chunks_compute_each_rows_bits_alone(dtype, heads, kv_heads, head_dim,
