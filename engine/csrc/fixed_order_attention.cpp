@@ -210,30 +210,36 @@ inline void key_tile(const T* const* keys, int64_t first, int64_t kv_heads, floa
   }
 }
 
-// Token t's scores of keys first..first + W - 1, every head, from their key tile. A key's 16
-// lanes are kRegs registers; kAtOnce keys at once keep 8 independent FMA chains in flight.
-template <class V, int D, typename T>
-inline void scores(const Token<T>& t, const float* tile, int64_t first) {
+// The scores of kTokens tokens of a run (t[0..]) for keys first..first + W - 1, every head,
+// from their key tile. A key's 16 lanes are kRegs registers; kAtOnce keys at once keep 8
+// independent FMA chains in flight per token, and each key register loaded serves every token.
+template <class V, int D, int kTokens, typename T>
+inline void scores(const Token<T>* const* t, const float* tile, int64_t first) {
   using F = typename V::F;
   constexpr int kRegs = V::kRegs, kAtOnce = 8 / kRegs;
-  const F scale = V::set1(t.scale);
-  for (int64_t h = 0; h < t.heads; ++h) {
-    const float* k = tile + h / t.group * V::W * D;
-    const float* q = t.q + h * D;
-    F folded[V::W];
+  const F scale = V::set1(t[0]->scale);
+  for (int64_t h = 0; h < t[0]->heads; ++h) {
+    const float* k = tile + h / t[0]->group * V::W * D;
+    F folded[kTokens][V::W];
     for (int j0 = 0; j0 < V::W; j0 += kAtOnce) {
-      F acc[kAtOnce][kRegs];
-      for (int j = 0; j < kAtOnce; ++j)
-        for (int r = 0; r < kRegs; ++r) acc[j][r] = V::zero();
+      F acc[kTokens][kAtOnce][kRegs];
+      for (int i = 0; i < kTokens; ++i)
+        for (int j = 0; j < kAtOnce; ++j)
+          for (int r = 0; r < kRegs; ++r) acc[i][j][r] = V::zero();
       for (int d = 0; d < D; d += kLanes)
         for (int r = 0; r < kRegs; ++r) {
-          const F qd = V::load(q + d + V::W * r);
-          for (int j = 0; j < kAtOnce; ++j)
-            acc[j][r] = V::fma(qd, V::load(k + (j0 + j) * D + d + V::W * r), acc[j][r]);
+          F qd[kTokens];
+          for (int i = 0; i < kTokens; ++i) qd[i] = V::load(t[i]->q + h * D + d + V::W * r);
+          for (int j = 0; j < kAtOnce; ++j) {
+            const F kj = V::load(k + (j0 + j) * D + d + V::W * r);
+            for (int i = 0; i < kTokens; ++i) acc[i][j][r] = V::fma(qd[i], kj, acc[i][j][r]);
+          }
         }
-      for (int j = 0; j < kAtOnce; ++j) folded[j0 + j] = V::fold(acc[j]);
+      for (int i = 0; i < kTokens; ++i)
+        for (int j = 0; j < kAtOnce; ++j) folded[i][j0 + j] = V::fold(acc[i][j]);
     }
-    V::store(t.scores + h * t.padded + first, V::mul(V::sum(folded), scale));
+    for (int i = 0; i < kTokens; ++i)
+      V::store(t[i]->scores + h * t[i]->padded + first, V::mul(V::sum(folded[i]), scale));
   }
 }
 
@@ -257,8 +263,20 @@ void attend_vectorized(const Token<T>* tokens, int64_t count, std::vector<float>
   for (int64_t first = 0; first < last.n; first += V::W) {
     const T* const* ahead = first + kLanes < last.padded ? last.keys + first + kLanes : nullptr;
     key_tile<V, D>(last.keys, first, kv_heads, tile.data(), ahead, slot_bytes);
-    for (int64_t i = count - 1; i >= 0 && first < tokens[i].n; --i)  // the longest first
-      scores<V, D>(tokens[i], tile.data(), first);
+    // Two tokens at a time where the registers allow (AVX-512: 16 sums), the longest first:
+    // every key register loaded serves both. A 176-token chunk at positions 450-625 on 2 Xeon
+    // cores (family 6 model 167): 52.0 ms against 58.4-58.6 one at a time; three, the same.
+    constexpr int kPair = V::kRegs == 1 ? 2 : 1;
+    int64_t i = count - 1;
+    for (; i >= kPair - 1 && first < tokens[i - kPair + 1].n; i -= kPair) {
+      const Token<T>* pair[kPair];
+      for (int p = 0; p < kPair; ++p) pair[p] = &tokens[i - p];
+      scores<V, D, kPair>(pair, tile.data(), first);
+    }
+    for (; i >= 0 && first < tokens[i].n; --i) {
+      const Token<T>* one[1] = {&tokens[i]};
+      scores<V, D, 1>(one, tile.data(), first);
+    }
   }
   for (int64_t i = 0; i < count; ++i)
     for (int64_t h = 0; h < last.heads; ++h)
