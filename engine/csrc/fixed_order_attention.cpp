@@ -20,10 +20,11 @@
 // fuses nothing we did not write.
 //
 // A prefill chunk's tokens read the same keys: the vectorized path takes up to kRunTokens of
-// them at consecutive positions as one run, converts each tile of keys once for the run and adds
-// V in blocks every token of the run takes while they are in L1. Only the loops around a token's
-// operations change, never their order. The bundled model's heads, float32 cache, 2 threads,
-// median of 60 calls (several alternations) before and with runs:
+// them at consecutive positions as one run, converts each tile of keys once for the run, scores
+// two tokens with each key register it loads (AVX-512) and adds V in blocks every token of the
+// run takes while they are in L1. Only the loops around a token's operations change, never
+// their order. The bundled model's heads, float32 cache, 2 threads, median of 60 calls (several
+// alternations) before and with runs:
 //   - AVX2 on 2 Zen 3 cores (AMD EPYC family 25 model 1): 176 tokens of one prompt at 200-375,
 //     2.7-3.0 ms before, 1.6-1.9 ms with runs; a serving step's 16 decodes at 450 beside 40
 //     prompt tokens, 1.5-1.6 ms before, 0.65-1.2 ms (with the thread split below); 16 decodes
@@ -266,12 +267,12 @@ void attend_vectorized(const Token<T>* tokens, int64_t count, std::vector<float>
     // Two tokens at a time where the registers allow (AVX-512: 16 sums), the longest first:
     // every key register loaded serves both. A 176-token chunk at positions 450-625 on 2 Xeon
     // cores (family 6 model 167): 52.0 ms against 58.4-58.6 one at a time; three, the same.
-    constexpr int kPair = V::kRegs == 1 ? 2 : 1;
+    constexpr int kTogether = V::kRegs == 1 ? 2 : 1;
     int64_t i = count - 1;
-    for (; i >= kPair - 1 && first < tokens[i - kPair + 1].n; i -= kPair) {
-      const Token<T>* pair[kPair];
-      for (int p = 0; p < kPair; ++p) pair[p] = &tokens[i - p];
-      scores<V, D, kPair>(pair, tile.data(), first);
+    for (; i >= kTogether - 1 && first < tokens[i - kTogether + 1].n; i -= kTogether) {
+      const Token<T>* together[kTogether];
+      for (int p = 0; p < kTogether; ++p) together[p] = &tokens[i - p];
+      scores<V, D, kTogether>(together, tile.data(), first);
     }
     for (; i >= 0 && first < tokens[i].n; --i) {
       const Token<T>* one[1] = {&tokens[i]};
