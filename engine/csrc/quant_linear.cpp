@@ -231,6 +231,12 @@ void run_rest(int64_t left, const float* x, int64_t x_stride, int64_t rows, int6
 // (Intel Xeon family 6 model 106, no bf16), bench.model_step --crossover-only, three alternated
 // runs, against 6 rows: 128 rows 6.3-7.7 against 7.5-7.6 ms, 256 rows 10.8-12.1 against
 // 13.0-17.0, 512 rows 17.6-22.3 against 24.6-30.9 (oneDNN 12.5-18.9 in the same runs).
+// A panel is built from the blocks' integers transposed 8 columns at a time, then dequantized
+// with each column's d and m as vector lanes, straight into place. It was built from floats,
+// each block dequantized, stored in column order and transposed from there: on 2 Zen 2 cores
+// (AMD EPYC family 23 model 49, AVX2), the bundled model's 120 decoder matmuls with weights from
+// memory, alternated builds: 16 rows 36.5-37.0 against 42.8-45.0 ms, 64 rows 109-113 against
+// 111-135; the build had taken as long as the outer products at 8 rows.
 constexpr int64_t kPanelMinRows = 8;
 
 template <class V>
@@ -304,23 +310,80 @@ void outer_rows(int64_t height, const float* xt, int64_t k, int64_t r0, const fl
   }
 }
 
-// out[i][0..8) = in[0..8)[j + i]: an 8 x 8 block of floats transposed.
-inline void transpose8x8(const float (*in)[kBlock], int j, float* const* out) {
-  __m256 r[8], t[8];
-  for (int i = 0; i < 8; ++i) r[i] = _mm256_load_ps(in[i] + j);
+// r[i][j] <-> r[j][i]: 8 registers of 8 32-bit elements transposed (moves only, so integers
+// and floats alike).
+inline void transpose8x8(__m256i* r) {
+  __m256 a[8], t[8];
+  for (int i = 0; i < 8; ++i) a[i] = _mm256_castsi256_ps(r[i]);
   for (int i = 0; i < 4; ++i) {  // pairs of rows, interleaved
-    t[2 * i] = _mm256_unpacklo_ps(r[2 * i], r[2 * i + 1]);
-    t[2 * i + 1] = _mm256_unpackhi_ps(r[2 * i], r[2 * i + 1]);
+    t[2 * i] = _mm256_unpacklo_ps(a[2 * i], a[2 * i + 1]);
+    t[2 * i + 1] = _mm256_unpackhi_ps(a[2 * i], a[2 * i + 1]);
   }
   for (int i = 0; i < 2; ++i) {  // quadruples of rows
-    r[4 * i] = _mm256_shuffle_ps(t[4 * i], t[4 * i + 2], 0x44);
-    r[4 * i + 1] = _mm256_shuffle_ps(t[4 * i], t[4 * i + 2], 0xEE);
-    r[4 * i + 2] = _mm256_shuffle_ps(t[4 * i + 1], t[4 * i + 3], 0x44);
-    r[4 * i + 3] = _mm256_shuffle_ps(t[4 * i + 1], t[4 * i + 3], 0xEE);
+    a[4 * i] = _mm256_shuffle_ps(t[4 * i], t[4 * i + 2], 0x44);
+    a[4 * i + 1] = _mm256_shuffle_ps(t[4 * i], t[4 * i + 2], 0xEE);
+    a[4 * i + 2] = _mm256_shuffle_ps(t[4 * i + 1], t[4 * i + 3], 0x44);
+    a[4 * i + 3] = _mm256_shuffle_ps(t[4 * i + 1], t[4 * i + 3], 0xEE);
   }
   for (int i = 0; i < 4; ++i) {  // 128-bit halves: rows 0-3 with rows 4-7
-    _mm256_storeu_ps(out[i], _mm256_permute2f128_ps(r[i], r[4 + i], 0x20));
-    _mm256_storeu_ps(out[4 + i], _mm256_permute2f128_ps(r[i], r[4 + i], 0x31));
+    r[i] = _mm256_castps_si256(_mm256_permute2f128_ps(a[i], a[4 + i], 0x20));
+    r[4 + i] = _mm256_castps_si256(_mm256_permute2f128_ps(a[i], a[4 + i], 0x31));
+  }
+}
+
+// The first two fp16 of 8 columns' blocks (Q4_1: d and m; Q8_0: d and its first two weights)
+// as floats, one column a lane: first[i] and second[i] of column i.
+inline void halves_of(const uint8_t* const* block, __m256* first, __m256* second) {
+  int32_t pair[8];
+  for (int i = 0; i < 8; ++i) std::memcpy(&pair[i], block[i], sizeof pair[i]);
+  const __m256i pairs = _mm256_setr_epi32(pair[0], pair[1], pair[2], pair[3], pair[4], pair[5],
+                                          pair[6], pair[7]);
+  // columns 0-3 and 4-7 as (first, second) float pairs
+  const __m256 low = _mm256_cvtph_ps(_mm256_castsi256_si128(pairs)),
+               high = _mm256_cvtph_ps(_mm256_extracti128_si256(pairs, 1));
+  const __m256i order = _mm256_setr_epi32(0, 1, 4, 5, 2, 3, 6, 7);
+  *first = _mm256_permutevar8x32_ps(_mm256_shuffle_ps(low, high, 0x88), order);
+  *second = _mm256_permutevar8x32_ps(_mm256_shuffle_ps(low, high, 0xDD), order);
+}
+
+// 8 columns' block b dequantized into the panel transposed: element e (k = 32 b + e) of the 8
+// columns goes to to[e % 16 * lane_stride + e / 16 * step_stride], 8 consecutive floats. The
+// blocks' integers are transposed, not their floats, so each weight is still fma(d, q, m) (or
+// d * q) of its own column's d and m, now lanes of a vector: the panel holds the bits a block's
+// dequant gives, without storing the blocks in column order first.
+inline void dequant_transposed(Q4_1, const uint8_t* const* block, float* to, int64_t lane_stride,
+                               int64_t step_stride) {
+  __m256 d, m;
+  halves_of(block, &d, &m);
+  const __m256i nibble = _mm256_set1_epi32(15);
+  for (int half = 0; half < 2; ++half) {  // bytes 8 half .. 8 half + 7: elements e and e + 16
+    __m256i q[8];
+    for (int i = 0; i < 8; ++i)
+      q[i] = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(block[i] + 4 + 8 * half)));
+    transpose8x8(q);
+    for (int j = 0; j < 8; ++j) {
+      const int e = 8 * half + j;  // < 16: lane e, steps 2 b (low nibble) and 2 b + 1 (high)
+      _mm256_storeu_ps(to + e * lane_stride, _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(_mm256_and_si256(q[j], nibble)), m));
+      _mm256_storeu_ps(to + e * lane_stride + step_stride,
+                       _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(_mm256_srli_epi32(q[j], 4)), m));
+    }
+  }
+}
+
+inline void dequant_transposed(Q8_0, const uint8_t* const* block, float* to, int64_t lane_stride,
+                               int64_t step_stride) {
+  __m256 d, unused;
+  halves_of(block, &d, &unused);
+  for (int group = 0; group < 4; ++group) {  // elements 8 group .. 8 group + 7
+    __m256i q[8];
+    for (int i = 0; i < 8; ++i)
+      q[i] = _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(block[i] + 2 + 8 * group)));
+    transpose8x8(q);
+    for (int j = 0; j < 8; ++j) {
+      const int e = 8 * group + j;
+      _mm256_storeu_ps(to + e % kLanes * lane_stride + e / kLanes * step_stride,
+                       _mm256_mul_ps(d, _mm256_cvtepi32_ps(q[j])));
+    }
   }
 }
 
@@ -336,9 +399,22 @@ void matmul_outer(const float* x, int64_t x_stride, int64_t rows, const uint8_t*
   by_lane.resize(rows * k);
   float* const xt = by_lane.data();
   at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
-    for (int64_t r = begin; r < end; ++r)
-      for (int64_t i = 0; i < k; ++i)
-        xt[r * k + (i % kLanes) * steps + i / kLanes] = x[r * x_stride + i];
+    for (int64_t r = begin; r < end; ++r) {
+      const float* from = x + r * x_stride;
+      float* to = xt + r * k;
+      int64_t m = 0;
+      for (; m + 8 <= steps; m += 8)  // 8 steps of 8 lanes at a time
+        for (int lanes = 0; lanes < kLanes; lanes += 8) {
+          __m256i v[8];
+          for (int i = 0; i < 8; ++i)
+            v[i] = _mm256_castps_si256(_mm256_loadu_ps(from + (m + i) * kLanes + lanes));
+          transpose8x8(v);
+          for (int l = 0; l < 8; ++l)
+            _mm256_storeu_ps(to + (lanes + l) * steps + m, _mm256_castsi256_ps(v[l]));
+        }
+      for (; m < steps; ++m)
+        for (int l = 0; l < kLanes; ++l) to[l * steps + m] = from[m * kLanes + l];
+    }
   });
   const int64_t num_panels = (cols + O::kPanel - 1) / O::kPanel;
   at::parallel_for(0, num_panels, 1, [&](int64_t begin, int64_t end) {
@@ -346,23 +422,20 @@ void matmul_outer(const float* x, int64_t x_stride, int64_t rows, const uint8_t*
     panel.resize(kLanes * O::lane_stride(steps));
     for (int64_t p = begin; p < end; ++p) {
       const int64_t c0 = p * O::kPanel, col_end = std::min(cols, c0 + O::kPanel);
-      // 8 columns' blocks at a time, transposed into the panel's rows of outputs; columns past
-      // the end repeat the last one
-      for (int64_t c = 0; c < O::kPanel; c += 8)
-        for (int64_t b = 0; b < num_blocks; ++b) {
-          alignas(64) float dequantized[8][kBlock];
+      // Block by block, every column of the panel, so each cache line of the panel is filled
+      // while in L1; the next panel's blocks are fetched meanwhile. Columns past the end repeat
+      // the last one.
+      const uint8_t* col[O::kPanel];
+      for (int64_t c = 0; c < O::kPanel; ++c) col[c] = w + std::min(c0 + c, cols - 1) * w_stride;
+      for (int64_t b = 0; b < num_blocks; ++b)
+        for (int64_t c = 0; c < O::kPanel; c += 8) {
+          const uint8_t* block[8];
           for (int i = 0; i < 8; ++i) {
-            typename V::F wv[2 * V::kRegs];
-            load_block<V, Q>(w + std::min(c0 + c + i, cols - 1) * w_stride + b * Q::kBytes, wv);
-            for (int j = 0; j < 2 * V::kRegs; ++j) V::store(dequantized[i] + V::W * j, wv[j]);
+            block[i] = col[c + i] + b * Q::kBytes;
+            __builtin_prefetch(block[i] + O::kPanel * w_stride);
           }
-          for (int j = 0; j < kBlock; j += 8) {  // k = 32 b + j: lane j % 16, step 2 b + j / 16
-            float* to[8];
-            for (int i = 0; i < 8; ++i)
-              to[i] = &panel[((j + i) % kLanes) * O::lane_stride(steps)
-                              + (2 * b + (j + i) / kLanes) * O::kPanel + c];
-            transpose8x8(dequantized, j, to);
-          }
+          dequant_transposed(Q{}, block, panel.data() + 2 * b * O::kPanel + c,
+                             O::lane_stride(steps), O::kPanel);
         }
       // rows in tiles of near-equal height: 8 rows as 4 + 4, not 6 + 2, whose 4 chains would
       // wait on the FMAs' latency
