@@ -363,7 +363,8 @@ inline void dequant_transposed(Q4_1, const uint8_t* const* block, float* to, int
     transpose8x8(q);
     for (int j = 0; j < 8; ++j) {
       const int e = 8 * half + j;  // < 16: lane e, steps 2 b (low nibble) and 2 b + 1 (high)
-      _mm256_storeu_ps(to + e * lane_stride, _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(_mm256_and_si256(q[j], nibble)), m));
+      _mm256_storeu_ps(to + e * lane_stride,
+                       _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(_mm256_and_si256(q[j], nibble)), m));
       _mm256_storeu_ps(to + e * lane_stride + step_stride,
                        _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(_mm256_srli_epi32(q[j], 4)), m));
     }
@@ -403,7 +404,9 @@ void matmul_outer(const float* x, int64_t x_stride, int64_t rows, const uint8_t*
       const float* from = x + r * x_stride;
       float* to = xt + r * k;
       int64_t m = 0;
-      for (; m + 8 <= steps; m += 8)  // 8 steps of 8 lanes at a time
+      // 8 steps of 8 lanes at a time (a loop over elements, with a modulo each, took 3.6 % of
+      // a 192-row step on the Zen 2 kind)
+      for (; m + 8 <= steps; m += 8)
         for (int lanes = 0; lanes < kLanes; lanes += 8) {
           __m256i v[8];
           for (int i = 0; i < 8; ++i)
