@@ -14,7 +14,7 @@
 //             of x[r][k] * w[n][k], from 0.
 // An output depends on its own row of x and column of W only: row-invariant by construction
 // (batch-invariant mode needs no probe for it). Paths: portable, AVX2 and AVX-512 (simd.h),
-// bit-identical; tiles of several rows share each dequantized block, and from kPanelMinRows rows
+// bit-identical; tiles of several rows share each dequantized block, and from Outer::kMinRows rows
 // a panel of columns is dequantized once into float32 for every row and multiplied as outer
 // products, so prefill rows pay less dequantization per weight than decode rows, without
 // changing any output's arithmetic.
@@ -213,7 +213,7 @@ void run_rest(int64_t left, const float* x, int64_t x_stride, int64_t rows, int6
 
 #if defined(INHERENT_AVX2)  // every vector path's CPU has AVX2
 // ---- Many rows: outer products on a dequantized panel ---------------------------------------
-// From kPanelMinRows rows a matmul dequantizes a panel of columns once into float32 for all
+// From kMinRows rows a matmul dequantizes a panel of columns once into float32 for all
 // rows, instead of each block once per tile of kRows rows. The tiles above hold the 16 lanes of
 // an output in registers and fold them at the end, so every FMA waits on a load of x and of a
 // weight. Here a register holds one lane of W consecutive outputs: a weight register serves
@@ -236,11 +236,13 @@ void run_rest(int64_t left, const float* x, int64_t x_stride, int64_t rows, int6
 // each block dequantized, stored in column order and transposed from there: on 2 Zen 2 cores
 // (AMD EPYC family 23 model 49, AVX2), the bundled model's 120 decoder matmuls with weights from
 // memory, alternated builds: 16 rows 36.5-37.0 against 42.8-45.0 ms, 64 rows 109-113 against
-// 111-135; the build had taken as long as the outer products at 8 rows.
-constexpr int64_t kPanelMinRows = 8;
-
+// 111-135; the build had taken as long as the outer products at 8 rows. With it, the panel
+// overtook AVX2's 2-row tiles from 5 rows (same runs' kind, alternated twice: 5 rows 16.9-18.9
+// against 20.9-22.1 ms, 6 rows 18.4-19.1 against 23.1-24.6, 7 rows 24.5-28.3 against 28.2-29.2);
+// AVX-512's 4-row tiles keep their measured crossover at 8 (not measured again).
 template <class V>
 struct Outer {
+  static constexpr int64_t kMinRows = V::W == 16 ? 8 : 5;
   // rows a tile, times 2 registers of outputs: 24 or 12 sums
   static constexpr int kRows = V::W == 16 ? 12 : 6;
   static constexpr int kCols = 2 * V::W;        // outputs a tile
@@ -457,7 +459,7 @@ template <class V, class Q>
 void matmul_rows(const float* x, int64_t x_stride, int64_t rows, const uint8_t* w,
                  int64_t w_stride, int64_t cols, int64_t num_blocks, float* out) {
   using S = Shapes<V>;
-  if (rows >= kPanelMinRows)
+  if (rows >= Outer<V>::kMinRows)
     return matmul_outer<V, Q>(x, x_stride, rows, w, w_stride, cols, num_blocks, out);
   // Two rows or more share each dequantized block: tiles of kRows rows, the rest in one tile of
   // as many rows. Dequantizing, not reading or multiplying, sets a tile's pace: measured on 2
