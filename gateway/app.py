@@ -5,8 +5,9 @@ import time
 from collections.abc import Callable
 from contextlib import asynccontextmanager
 
-from fastapi import FastAPI, Request
+from fastapi import FastAPI
 from prometheus_client import CollectorRegistry, Counter, Histogram
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from gateway.auth import ensure_key
 from gateway.drain import Drain, DrainMiddleware
@@ -14,7 +15,7 @@ from gateway.errors import install_error_handlers
 from gateway.guard import RequestGuard
 from gateway.metrics import IngestionCollector
 from gateway.quotas import quotas_for
-from gateway.request_context import install_request_ids
+from gateway.request_context import RequestIds
 from gateway.routes import (
     admin,
     chat,
@@ -93,8 +94,8 @@ def create_app(
     )
     install_error_handlers(app)
     app.add_middleware(RequestGuard, settings=settings)
-    install_http_metrics(app, registry)
-    install_request_ids(app)  # added last: the outermost middleware, so every response has it
+    app.add_middleware(HttpMetrics, registry=registry)
+    app.add_middleware(RequestIds)  # added last: the outermost middleware, so every response has it
     for module in (chat, completions, embeddings, tokenize, receipts, admin, health):
         app.include_router(module.router, responses=ERROR_RESPONSES)
     app.mount("/review", review.console_app(), name="review")
@@ -104,28 +105,39 @@ def create_app(
 HTTP_METHODS = frozenset({"GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS"})
 
 
-def install_http_metrics(app: FastAPI, registry: CollectorRegistry) -> None:
-    requests = Counter(
-        "inherent:http_requests",
-        "HTTP requests by route and status",
-        ["method", "route", "status"],
-        registry=registry,
-    )
-    latency = Histogram(
-        "inherent:http_request_duration_seconds",
-        "HTTP request latency to the first response byte",
-        ["method", "route"],
-        registry=registry,
-    )
+class HttpMetrics:
+    """ASGI middleware: requests by route and status, latency to the first response byte.
+    Plain ASGI for the reason gateway/request_context.py gives."""
 
-    @app.middleware("http")
-    async def observe(request: Request, call_next):
+    def __init__(self, app: ASGIApp, registry: CollectorRegistry) -> None:
+        self.app = app
+        self.requests = Counter(
+            "inherent:http_requests",
+            "HTTP requests by route and status",
+            ["method", "route", "status"],
+            registry=registry,
+        )
+        self.latency = Histogram(
+            "inherent:http_request_duration_seconds",
+            "HTTP request latency to the first response byte",
+            ["method", "route"],
+            registry=registry,
+        )
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
         start = time.perf_counter()
-        response = await call_next(request)
-        route = request.scope.get("route")
-        path = getattr(route, "path", "unmatched")
-        # Label values come from a fixed set: a client must not mint series with odd methods.
-        method = request.method if request.method in HTTP_METHODS else "other"
-        requests.labels(method, path, str(response.status_code)).inc()
-        latency.labels(method, path).observe(time.perf_counter() - start)
-        return response
+
+        async def observe(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                path = getattr(scope.get("route"), "path", "unmatched")
+                # Label values come from a fixed set: a client must not mint series with odd
+                # methods.
+                method = scope["method"] if scope["method"] in HTTP_METHODS else "other"
+                self.requests.labels(method, path, str(message["status"])).inc()
+                self.latency.labels(method, path).observe(time.perf_counter() - start)
+            await send(message)
+
+        await self.app(scope, receive, observe)

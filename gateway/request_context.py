@@ -8,7 +8,8 @@ import re
 import uuid
 from contextvars import ContextVar
 
-from fastapi import FastAPI, Request
+from starlette.datastructures import Headers, MutableHeaders
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 HEADER = "X-Request-Id"
 # What a client may send: printable, no spaces, short (it lands in logs and receipts).
@@ -22,18 +23,33 @@ def request_id_of(value: str | None) -> str:
     return value if value and _ACCEPTED.fullmatch(value) else uuid.uuid4().hex
 
 
-def install_request_ids(app: FastAPI) -> None:
-    @app.middleware("http")
-    async def request_ids(request: Request, call_next):
-        request_id = request_id_of(request.headers.get(HEADER))
-        request.state.request_id = request_id
+class RequestIds:
+    """ASGI middleware: the request's id in ``request.state``, in the logging context while the
+    request runs (its streamed body too) and on every response it starts.
+
+    Plain ASGI, not ``@app.middleware("http")``: Starlette's BaseHTTPMiddleware relays each
+    body chunk through a memory stream between two tasks, a cost every streamed token paid."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        request_id = request_id_of(Headers(scope=scope).get(HEADER))
+        scope.setdefault("state", {})["request_id"] = request_id
+
+        async def send_with_id(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                MutableHeaders(scope=message)[HEADER] = request_id
+            await send(message)
+
         token = current_request_id.set(request_id)
         try:
-            response = await call_next(request)
+            await self.app(scope, receive, send_with_id)
         finally:
             current_request_id.reset(token)
-        response.headers[HEADER] = request_id
-        return response
 
 
 class RequestIdFilter(logging.Filter):
