@@ -239,7 +239,13 @@ void run_rest(int64_t left, const float* x, int64_t x_stride, int64_t rows, int6
 // 111-135; the build had taken as long as the outer products at 8 rows. With it, the panel
 // overtook AVX2's 2-row tiles from 5 rows (same runs' kind, alternated twice: 5 rows 16.9-18.9
 // against 20.9-22.1 ms, 6 rows 18.4-19.1 against 23.1-24.6, 7 rows 24.5-28.3 against 28.2-29.2);
-// AVX-512's 4-row tiles keep their measured crossover at 8 (not measured again).
+// AVX-512 keeps 8, the threshold the AVX2 family 23 model 1 EPYC measured for the old build.
+// On 2 Zen 5 cores (AMD EPYC family 26 model 2), the same 120 matmuls: AVX-512 panels of the
+// new build 10.6, 12.7, 14.7 and 22.9 ms at 8, 12, 16 and 32 rows against the old build's
+// 14.3, 17.0, 19.3 and 29.7 (same bits), 4-row tiles 6.7-8.7, 10.0, 13.3 and 26.7. They cross
+// near 20 rows there, but on that kind the engine runs the blocks below 8 rows only, and not
+// at all in batch-invariant mode (the bf16 kernel takes the rest, engine/model.py); the
+// AVX-512 kinds that run blocks from 8 rows, those without bf16 (Ice Lake), have not measured.
 template <class V>
 struct Outer {
   static constexpr int64_t kMinRows = V::W == 16 ? 8 : 5;
