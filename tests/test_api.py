@@ -267,6 +267,19 @@ def test_metrics_and_health(api):
     ):
         assert name in text, name
 
+    def chats_answered() -> float:  # by route template and status
+        text = api.client.get("/metrics", headers=api.auth("acme", "audit")).text
+        series = ('inherent:http_requests_total{method="POST",route="/v1/chat/completions",'
+                  'status="200"} ')
+        return float(next(line for line in text.splitlines()
+                          if line.startswith(series)).removeprefix(series))
+
+    before = chats_answered()
+    api.client.post("/v1/chat/completions", headers=api.auth(),
+                    json={"model": "inherent", "stream": True, "max_tokens": 2,
+                          "messages": [{"role": "user", "content": "How do I reset my password?"}]})
+    assert chats_answered() == before + 1  # a streamed answer counts too
+
 
 def test_default_mode_replay_claims_bit_identical_answers(api):
     """Batch-invariant mode is on by default wherever it runs (CPU, float32, the kernels): a

@@ -276,6 +276,12 @@ def test_health_version_and_request_ids(api):
               "max_tokens": 4})
     assert response.headers["X-Request-Id"] == "trace-me-42"
     assert receipt(api, response.json()["receipt_id"])["inherent.request.id"] == "trace-me-42"
+    streamed = api.client.post(
+        "/v1/chat/completions", headers={**api.auth(), "X-Request-Id": "trace-me-43"},
+        json={"model": "inherent", "messages": [{"role": "user", "content": QUESTION}],
+              "max_tokens": 4, "stream": True})
+    assert streamed.headers["X-Request-Id"] == "trace-me-43"
+    assert streamed.text.rstrip().endswith("data: [DONE]")
     generated = api.client.get("/v1/models", headers=api.auth()).headers["X-Request-Id"]
     refused = api.client.get("/v1/models")
     assert len(generated) == 32 and refused.status_code == 401
