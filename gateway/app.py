@@ -133,8 +133,7 @@ class HttpMetrics:
         async def observe(message: Message) -> None:
             if message["type"] == "http.response.start":
                 path = getattr(scope.get("route"), "path", "unmatched")
-                # Label values come from a fixed set: a client must not mint series with odd
-                # methods.
+                # A fixed set of label values: clients must not mint series with odd methods.
                 method = scope["method"] if scope["method"] in HTTP_METHODS else "other"
                 self.requests.labels(method, path, str(message["status"])).inc()
                 self.latency.labels(method, path).observe(time.perf_counter() - start)
