@@ -69,7 +69,7 @@ class Services:
     registry: CollectorRegistry = field(default_factory=CollectorRegistry)
     # Keeps this replica's embedded index caught up with the truth layer (several processes).
     catch_up: Any = None  # provenance.projection.CatchUpLoop | None
-    receipts: ReceiptWriter = field(init=False)  # receipt commits, off the event loop
+    receipts: ReceiptWriter = field(init=False)  # receipt commits (provenance/receipt_writer.py)
     tracer: Any = field(default_factory=trace.NoOpTracer)  # gateway/tracing.py
 
     def __post_init__(self) -> None:

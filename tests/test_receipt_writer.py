@@ -3,6 +3,7 @@ starts share its transaction, each is answered only once committed, and one that
 written fails alone."""
 
 import asyncio
+import sqlite3
 import threading
 
 import pytest
@@ -49,12 +50,12 @@ def held_transactions(monkeypatch):
     holding, release = threading.Event(), threading.Event()
     real = receipt_writer.commit_receipts
 
-    def commit(url, records, deadline):
+    def commit(url, records, deadline, **options):
         groups.append([r.receipt_id for r in records])
         if len(groups) == 1:
             holding.set()
             release.wait(10)
-        return real(url, records, deadline)
+        return real(url, records, deadline, **options)
 
     monkeypatch.setattr(receipt_writer, "commit_receipts", commit)
 
@@ -127,7 +128,7 @@ def test_write_returns_once_committed_and_raises_when_not(url, monkeypatch):
     asyncio.run(writer.write(written))
     assert written.receipt_id in stored(url)[0]
 
-    def refuse(url, records, deadline):
+    def refuse(url, records, deadline, **options):
         raise ReceiptNotCommitted("refused")
 
     monkeypatch.setattr(receipt_writer, "commit_receipts", refuse)
@@ -138,7 +139,7 @@ def test_write_returns_once_committed_and_raises_when_not(url, monkeypatch):
 
 def test_a_cancelled_request_still_writes_its_receipt(url, held_transactions):
     _, hold, release = held_transactions
-    writer = ReceiptWriter(url, timeout_s=10)
+    writer = ReceiptWriter(url, timeout_s=10, commit_on_loop=False)
     hold(writer)
     late = record()
 
@@ -153,3 +154,59 @@ def test_a_cancelled_request_still_writes_its_receipt(url, held_transactions):
     release.set()
     writer.close()
     assert late.receipt_id in stored(url)[0]
+
+
+@pytest.fixture
+def commit_threads(monkeypatch) -> list[str]:
+    """The thread each commit attempt ran on, in order."""
+    threads: list[str] = []
+    real = receipt_writer.commit_receipts
+
+    def commit(database, records, deadline, **options):
+        threads.append(threading.current_thread().name)
+        return real(database, records, deadline, **options)
+
+    monkeypatch.setattr(receipt_writer, "commit_receipts", commit)
+    return threads
+
+
+def test_on_sqlite_the_loop_commits_its_receipt_itself(url, commit_threads):
+    writer = ReceiptWriter(url, timeout_s=10)
+    written = [record(), record("globex")]
+    for r in written:
+        asyncio.run(writer.write(r))
+    writer.close()
+    assert commit_threads == [threading.current_thread().name] * 2  # no committer thread
+    assert stored(url) == ({r.receipt_id for r in written}, 2)
+
+
+def test_a_receipt_that_finds_the_write_lock_taken_waits_on_the_committer(url, commit_threads):
+    writer = ReceiptWriter(url, timeout_s=10)
+    holder = sqlite3.connect(url.removeprefix("sqlite:///"), isolation_level=None)
+    holder.execute("BEGIN IMMEDIATE")  # an ingestion job's transaction, say
+    late = record()
+    done = threading.Event()
+    writing = threading.Thread(
+        target=lambda: (asyncio.run(writer.write(late)), done.set()), name="loop"
+    )
+    writing.start()
+    assert not done.wait(0.3)  # the loop went on; the committer waits for the lock
+    holder.rollback()
+    writing.join(10)
+    writer.close()
+    assert done.is_set()
+    assert commit_threads == ["loop", "inherent-receipts"]
+    assert stored(url) == ({late.receipt_id}, 1)
+    # The loop's connection, which waits for no lock, never went back to the pool.
+    with session_scope(url) as session:
+        assert session.connection().exec_driver_sql("PRAGMA busy_timeout").scalar() == 30_000
+
+
+def test_a_receipt_that_cannot_be_written_on_the_loop_fails_alone(url):
+    writer = ReceiptWriter(url, timeout_s=10)
+    bad, good = record(tenant="no-such-tenant"), record()
+    with pytest.raises(ReceiptNotCommitted, match=bad.receipt_id):
+        asyncio.run(writer.write(bad))
+    asyncio.run(writer.write(good))
+    writer.close()
+    assert stored(url) == ({good.receipt_id}, 1)
