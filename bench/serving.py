@@ -328,7 +328,8 @@ def main() -> None:
             for key in path:
                 value = value[key]
             values.append(value)
-        return statistics.median(values) if None not in values else None
+        # Rounded: the mean of two rounds' figures would print float noise (63.849999999999994).
+        return round(statistics.median(values), 3) if None not in values else None
 
     summary = {
         "out_tok_s": median("inherent", "out_tok_s"),
