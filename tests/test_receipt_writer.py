@@ -210,3 +210,15 @@ def test_a_receipt_that_cannot_be_written_on_the_loop_fails_alone(url):
     asyncio.run(writer.write(good))
     writer.close()
     assert stored(url) == ({good.receipt_id}, 1)
+
+
+def test_on_postgresql_receipts_are_committed_by_the_committer(pg_url, commit_threads):
+    migrate.upgrade(pg_url)
+    with session_scope(pg_url, write=True) as session:
+        session.add(Tenant(id="acme", name="acme"))
+    writer = ReceiptWriter(pg_url, timeout_s=10)
+    written = record()
+    asyncio.run(writer.write(written))
+    writer.close()
+    assert commit_threads == ["inherent-receipts"]  # the loop waits on no network round trip
+    assert stored(pg_url) == ({written.receipt_id}, 1)
