@@ -245,7 +245,7 @@ void run_rest(int64_t left, const float* x, int64_t x_stride, int64_t rows, int6
 // 14.3, 17.0, 19.3 and 29.7 (same bits), 4-row tiles 6.7-8.7, 10.0, 13.3 and 26.7. They cross
 // near 20 rows there, but on that kind the engine runs the blocks below 8 rows only, and not
 // at all in batch-invariant mode (the bf16 kernel takes the rest, engine/model.py); the
-// AVX-512 kinds that run blocks from 8 rows, those without bf16 (Ice Lake), have not measured.
+// AVX-512 kinds that run blocks from 8 rows, those without bf16 (Ice Lake), are unmeasured.
 template <class V>
 struct Outer {
   static constexpr int64_t kMinRows = V::W == 16 ? 8 : 5;
