@@ -16,8 +16,10 @@ before each engine round); each side's best round is compared, and every round i
 
 Also printed: the machine's memory read bandwidth (see read_bandwidth_gbs), the batch-1 decode
 roofline (the bytes a decode step reads, in the format the engine reads them, / bandwidth), the
-engine's measured batch-1 decode step, and the greedy agreement between the sides. The last line
-is one JSON object.
+engine's measured batch-1 decode step, the greedy agreement between the sides, and the token
+positions each side runs through the layers (``hf_work_ratio``: transformers' static batches pad
+every prompt to its batch's longest), which splits the ratio to transformers into work saved and
+speed per position. The last line is one JSON object.
 
     flock /tmp/inherent-bench.lock .venv/bin/python -m bench.engine_throughput
     flock /tmp/inherent-bench.lock .venv/bin/python -m bench.engine_throughput \
@@ -180,6 +182,18 @@ def hf_generate(model, batch: list[list[int]], new_tokens: int,
     return out[:, width:].tolist(), time.perf_counter() - t
 
 
+def layer_positions(prompts: list[list[int]], output_tokens: int,
+                    batch_size: int | None = None) -> int:
+    """Token positions the model's layers run over, the bulk of either side's arithmetic: every
+    prompt token, and every output token but the last (sampled, never fed back). In static
+    batches of ``batch_size`` (transformers), each prompt counts as its batch's longest: the
+    left padding runs through the layers too."""
+    if batch_size is None:
+        return sum(map(len, prompts)) + len(prompts) * (output_tokens - 1)
+    batches = [prompts[i : i + batch_size] for i in range(0, len(prompts), batch_size)]
+    return sum(len(batch) * (max(map(len, batch)) + output_tokens - 1) for batch in batches)
+
+
 def run_transformers(model, prompts: list[list[int]], output_tokens: int, batch_size: int,
                      pad: int) -> dict:
     hf_generate(model, [prompts[0][:16]], 2, pad)  # warm-up
@@ -324,8 +338,16 @@ def main() -> None:
         print(f"ratio engine/transformers: {out_tok_s / hf_tok_s:.2f}x; greedy match: "
               f"{exact:.0%} of requests identical, {prefix:.0%} of tokens before the first "
               f"difference")
+        # What the ratio would be at equal speed per position: the rest is arithmetic speed.
+        ours_work = layer_positions(prompts[:hf_n], args.output_tokens)
+        hf_work = layer_positions(prompts[:hf_n], args.output_tokens, hf_batch)
+        work_ratio = hf_work / ours_work
+        print(f"work: transformers runs {hf_work} token positions through the layers, the "
+              f"engine {ours_work} ({work_ratio:.2f}x, the padding); per position the engine "
+              f"is {out_tok_s / hf_tok_s / work_ratio:.2f}x faster")
         result |= {"hf_out_tok_s": round(hf_tok_s, 1),
                    "ratio_vs_hf": round(out_tok_s / hf_tok_s, 2),
+                   "hf_work_ratio": round(work_ratio, 3),
                    "hf_dtype": str(hf_dtype).removeprefix("torch."),
                    "greedy_match": round(exact, 3), "greedy_prefix_match": round(prefix, 3),
                    "hf_requests": hf_n,
