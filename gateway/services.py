@@ -1,6 +1,7 @@
 """What the API needs at hand, built once at start-up from its settings: the engine, the tokenizer,
 the embedder, the vector index, and a metrics registry. Tests build one with their own parts."""
 
+import os
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
@@ -232,6 +233,9 @@ def build_services(settings: ServerSettings, registry: CollectorRegistry) -> Ser
     from engine import AsyncEngine, create_engine
     from engine.openmp import release_thread_pool
 
+    # The cores are the engine's: tokenizers' own thread pool would take each batch call (the
+    # prompt's, a query's) to one of its threads and wake the caller after, so they run here.
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     llm = create_engine(settings.engine, registry)
     runtime = Runtime(settings)
     index = runtime.index
