@@ -58,6 +58,13 @@ def _pre_tokenizer_for(pre: str | None) -> pre_tokenizers.PreTokenizer | None:
     return None
 
 
+def _ids(backend: BackendTokenizer, text: str, add_special_tokens: bool) -> list[int]:
+    """The text's ids through the batch call that tracks no offsets: the same ids, where
+    ``encode`` also maps every token's offsets (a 580-character chunk 154 against 184 us, Zen 4
+    kind)."""
+    return backend.encode_batch_fast([text], add_special_tokens=add_special_tokens)[0].ids
+
+
 @lru_cache(maxsize=1)
 def _byte_alphabet() -> dict[int, str]:
     """GPT-2's reversible byte -> printable character map, which byte-level vocabularies use."""
@@ -299,9 +306,7 @@ class Tokenizer:
         return self.backend.get_vocab_size(with_added_tokens=True)
 
     def encode(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
-        # The batch call that tracks no offsets: the same ids, where encode() also maps every
-        # token's offsets (a 580-character chunk 154 against 184 us, Zen 4 kind).
-        return self.backend.encode_batch_fast([text], add_special_tokens=add_special_tokens)[0].ids
+        return _ids(self.backend, text, add_special_tokens)
 
     def decode(self, ids: Sequence[int], *, skip_special_tokens: bool = True) -> str:
         return self.backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
@@ -389,7 +394,7 @@ class Tokenizer:
                 rebuilt.append(part)
             else:
                 content = messages[int(part)]["content"]
-                ids += self._plain().encode(content, add_special_tokens=False).ids
+                ids += _ids(self._plain(), content, add_special_tokens=False)
                 rebuilt.append(content)
         # A template that transforms content (trims it, say) cannot be split safely: refuse
         # rather than let control strings in content through as tokens.
