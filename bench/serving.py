@@ -10,6 +10,12 @@ each round, counted with the server's own /tokenize on the chat template), `--ou
 (128) each with `ignore_eos`, temperature 0. Every SSE event is parsed as it arrives. Streams still running at
 the deadline are closed; their tokens so far count toward throughput. Before the first round
 each server runs the same load unmeasured for `--warmup` seconds (30) on prompts of its own.
+Each round's streams start together, and a round is measured only after `--settle` seconds (20)
+of its load: the first burst of 16 prompts at once is not the steady state of a server under
+constant load (vLLM, which prefills such a burst together, gave a time to first token p50 of
+2.55 s in 60 s rounds measured from their start, against 0.76 s over 120 s after 30 s of
+warm-up; Zen 4 kind). The window counts the tokens that arrived in it and the latencies of the
+requests sent in it (inter-token gaps: those that began in it).
 
 Reported per server: time to first token, inter-token latency (gaps between content events)
 and time per output token ((last - first) / (tokens - 1), finished streams), p50/p95/p99, and
@@ -83,6 +89,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--warmup", type=float, default=30,
                         help="seconds of the same load, on prompts of their own, that each "
                              "server runs unmeasured before its first round")
+    parser.add_argument("--settle", type=float, default=20,
+                        help="seconds of each round's load before its measured --duration")
     parser.add_argument("--no-vllm", action="store_true", help="only Inherent")
     parser.add_argument("--probe-interval", type=float, default=2.0,
                         help="seconds between the provenance probe's questions (0: no probe)")
@@ -190,7 +198,7 @@ def probe_tenant(data_dir: Path, docs: int) -> str:
 
 
 async def probe(client: httpx.AsyncClient, target: Target, interval: float,
-                phases_ms: dict[str, list[float]]) -> None:
+                phases_ms: dict[str, list[float]], measured_from: float) -> None:
     # One question, asked again and again: the same retrieval and receipt every time, and its
     # prompt's prefill is a prefix-cache hit, so the probe adds little work to the streams'.
     body = question("How do I change the billing settings?", 1)
@@ -201,6 +209,8 @@ async def probe(client: httpx.AsyncClient, target: Target, interval: float,
         response.raise_for_status()
         if not response.json()["citations"]:
             raise RuntimeError("the probe's question retrieved nothing")
+        if time.perf_counter() < measured_from:
+            continue
         timing = server_timing(response.headers["Server-Timing"])
         for phase in ("retrieve", "receipt"):
             phases_ms[phase].append(timing[phase])
@@ -216,18 +226,22 @@ def percentiles(values: list[float]) -> dict[str, float | None]:
 
 
 def summarize(streams: list[Stream], start: float, end: float) -> dict:
-    # A finished stream counts its tokens by its usage (an event may carry several tokens); a
-    # stream closed at the deadline by the content events it had received.
-    tokens = sum(s.completion_tokens if s.finished else len(s.token_times) for s in streams)
-    done = [s for s in streams if s.finished]
-    ttft = [(s.token_times[0] - s.sent) * 1e3 for s in streams if s.token_times]
-    itl = [(b - a) * 1e3 for s in streams for a, b in zip(s.token_times, s.token_times[1:], strict=False)]
+    """The window [start, end]: its tokens, and the latencies of the requests sent in it."""
+    # A stream sent and finished in the window counts its tokens by its usage (an event may
+    # carry several tokens); any other by the content events that arrived in the window.
+    measured = [s for s in streams if s.sent >= start]
+    tokens = sum(s.completion_tokens if s.finished and s.sent >= start
+                 else sum(t >= start for t in s.token_times) for s in streams)
+    done = [s for s in measured if s.finished]
+    ttft = [(s.token_times[0] - s.sent) * 1e3 for s in measured if s.token_times]
+    itl = [(b - a) * 1e3 for s in streams
+           for a, b in zip(s.token_times, s.token_times[1:], strict=False) if a >= start]
     tpot = [(s.token_times[-1] - s.token_times[0]) * 1e3 / (len(s.token_times) - 1)
             for s in done if len(s.token_times) > 1]
     return {
         "out_tok_s": round(tokens / (end - start), 2),
         "requests_finished": len(done),
-        "requests_started": len(streams),
+        "requests_started": len(measured),
         "prompt_tokens_mean": round(statistics.mean(s.prompt_tokens for s in done), 1)
         if done else None,
         "completion_tokens_mean": round(statistics.mean(s.completion_tokens for s in done), 1)
@@ -238,7 +252,9 @@ def summarize(streams: list[Stream], start: float, end: float) -> dict:
     }
 
 
-async def load(target: Target, args, round_number: int, duration: float) -> dict:
+async def load(target: Target, args, round_number: int, duration: float,
+               settle: float = 0.0) -> dict:
+    """`duration` seconds of load measured after `settle` seconds of it."""
     limits = httpx.Limits(max_connections=args.concurrency + 4)
     async with httpx.AsyncClient(timeout=httpx.Timeout(600), limits=limits) as client:
         # Each round its own prompts, the same for both servers: both keep running between
@@ -247,14 +263,14 @@ async def load(target: Target, args, round_number: int, duration: float) -> dict
         prompts = await make_prompts(client, target, args, args.seed + round_number)
         await one_stream(client, target, prompts[0], 4, [])  # lazy start-up costs stay out
         streams: list[Stream] = []
-        start = time.perf_counter()
+        start = time.perf_counter() + settle
         tasks = [asyncio.create_task(client_loop(client, target, prompts, i, args, streams))
                  for i in range(args.concurrency)]
         phases_ms: dict[str, list[float]] = {"overhead": [], "retrieve": [], "receipt": []}
         if target.probe_headers:
             tasks.append(asyncio.create_task(
-                probe(client, target, args.probe_interval, phases_ms)))
-        await asyncio.wait(tasks, timeout=duration, return_when=asyncio.FIRST_EXCEPTION)
+                probe(client, target, args.probe_interval, phases_ms, start)))
+        await asyncio.wait(tasks, timeout=settle + duration, return_when=asyncio.FIRST_EXCEPTION)
         end = time.perf_counter()
         for task in tasks:
             task.cancel()
@@ -317,7 +333,8 @@ def main() -> None:
             results = {}
             print(f"round {number + 1}:", flush=True)
             for name in names:
-                results[name] = asyncio.run(load(targets[name], args, number, args.duration))
+                results[name] = asyncio.run(
+                    load(targets[name], args, number, args.duration, args.settle))
                 print_row(name, results[name])
             rounds.append(results)
 
@@ -355,7 +372,7 @@ def main() -> None:
               f"{summary['itl_p50_ms']} vs {summary['vllm_itl_p50_ms']} ms; TTFT p50 "
               f"{summary['ttft_p50_ms']} vs {summary['vllm_ttft_p50_ms']} ms", flush=True)
     summary.update({
-        "concurrency": args.concurrency, "duration_s": args.duration,
+        "concurrency": args.concurrency, "duration_s": args.duration, "settle_s": args.settle,
         "prompt_tokens": [args.prompt_min, args.prompt_max], "output_tokens": args.output_tokens,
         "inherent_env": args.inherent_env, "rounds": rounds, "cpu": machine,
     })
