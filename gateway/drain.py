@@ -12,9 +12,13 @@ shutdown. A second SIGTERM or a SIGINT skips the drain.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import logging
 import signal
+import threading
 import time
+from collections.abc import Iterator
 from types import FrameType
 
 import uvicorn
@@ -91,6 +95,28 @@ class DrainingServer(uvicorn.Server):
     def __init__(self, config: uvicorn.Config, drain: Drain) -> None:
         super().__init__(config)
         self.drain = drain
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        """uvicorn's handlers, delivered through the event loop instead of ``signal.signal``.
+
+        A Python-level handler runs only when the main thread next checks for signals, and on
+        CPython 3.11 another thread (the engine's step loop) recomputing the interpreter's
+        eval breaker can hide a signal from the main thread: the loop could then answer
+        ``/readyz`` with 200 after SIGTERM. The loop's handlers come through its wakeup fd,
+        so the drain starts at the loop's next turn. uvicorn's own context still restores the
+        previous handlers and re-raises what it captured on the way out."""
+        with super().capture_signals():
+            loop = asyncio.get_running_loop()
+            on_main_thread = threading.current_thread() is threading.main_thread()
+            handled = (signal.SIGINT, signal.SIGTERM) if on_main_thread else ()
+            for sig in handled:
+                loop.add_signal_handler(sig, self.handle_exit, sig, None)
+            try:
+                yield
+            finally:
+                for sig in handled:
+                    loop.remove_signal_handler(sig)
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
         if sig == signal.SIGTERM and not self.drain.draining:

@@ -1,31 +1,23 @@
 """SIGTERM drains a real uvicorn server: readiness fails, new requests get 503, the stream in
-flight finishes, then the server exits; a stream longer than the grace period is cut."""
+flight finishes, then the server exits; a stream longer than the grace period is cut; a second
+SIGTERM skips the drain. The last tests send real signals to a server in its own process."""
 
-import asyncio
 import signal
 import socket
+import subprocess
+import sys
 import threading
 import time
+from pathlib import Path
 
 import httpx
 import pytest
 import uvicorn
-from fastapi.responses import StreamingResponse
+from draining_server import slow_app
 
-from gateway.app import create_app
 from gateway.drain import DrainingServer
-from provenance.settings import Settings
 
-
-class IdleServices:
-    """What the lifespan needs from Services, without a model."""
-
-    async def start(self) -> None: ...
-
-    async def stop(self) -> None: ...
-
-    def healthy(self) -> bool:
-        return True
+DRAINING_SERVER = Path(__file__).with_name("draining_server.py")
 
 
 def free_port() -> int:
@@ -39,18 +31,7 @@ def serve(tmp_path):
     servers = []
 
     def start(grace_s: float, chunks: int):
-        settings = Settings(data_dir=tmp_path, shutdown_grace_s=grace_s)
-        app = create_app(settings, services_factory=lambda *_: IdleServices())
-
-        @app.get("/slow")
-        async def slow() -> StreamingResponse:
-            async def body():
-                for i in range(chunks):
-                    yield f"chunk {i}\n"
-                    await asyncio.sleep(0.2)
-
-            return StreamingResponse(body(), media_type="text/plain")
-
+        app = slow_app(tmp_path, grace_s, chunks, every_s=0.2)
         port = free_port()
         config = uvicorn.Config(app, port=port, log_level="warning", timeout_graceful_shutdown=1)
         server = DrainingServer(config, app.state.drain)
@@ -101,4 +82,62 @@ def test_the_grace_period_bounds_the_drain(serve):
             list(lines)  # cut when the grace (and uvicorn's own last second) ran out
     thread.join(timeout=30)
     assert not thread.is_alive()
+    assert time.monotonic() - start < 10
+
+
+@pytest.fixture
+def server_process(tmp_path):
+    """tests/draining_server.py in its own process, ready; killed if a test leaves it running."""
+    processes = []
+
+    def start(grace_s: float):
+        port = free_port()
+        process = subprocess.Popen(
+            [sys.executable, str(DRAINING_SERVER), str(tmp_path), str(port), str(grace_s)]
+        )
+        processes.append(process)
+        url = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + 60
+        while True:
+            assert process.poll() is None and time.monotonic() < deadline, "server did not start"
+            try:
+                if httpx.get(f"{url}/readyz", timeout=5).status_code == 200:
+                    return process, url
+            except httpx.HTTPError:
+                time.sleep(0.1)
+
+    yield start
+    for process in processes:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+
+
+def test_a_real_sigterm_takes_the_replica_out_at_once(server_process):
+    """Through the handlers DrainingServer installs in the server's main thread (the tests
+    above call handle_exit themselves), with another thread taking the GIL as the engine does."""
+    process, url = server_process(grace_s=30)
+    with httpx.Client(timeout=30) as client, client.stream("GET", f"{url}/slow") as stream:
+        lines = stream.iter_lines()
+        assert next(lines) == "chunk 0"
+        process.send_signal(signal.SIGTERM)
+        assert httpx.get(f"{url}/readyz", timeout=10).status_code == 503
+        assert httpx.get(f"{url}/slow", timeout=10).json()["error"]["code"] == "shutting_down"
+        assert list(lines) == [f"chunk {i}" for i in range(1, 20)]
+    assert process.wait(timeout=30) == 0
+
+
+def test_a_second_sigterm_skips_the_drain(server_process):
+    process, url = server_process(grace_s=30)
+    start = time.monotonic()
+    with httpx.Client(timeout=30) as client, client.stream("GET", f"{url}/slow") as stream:
+        lines = stream.iter_lines()
+        assert next(lines) == "chunk 0"
+        process.send_signal(signal.SIGTERM)
+        assert httpx.get(f"{url}/readyz", timeout=10).status_code == 503
+        process.send_signal(signal.SIGTERM)
+        with pytest.raises(httpx.HTTPError):
+            list(lines)  # uvicorn's own shutdown cuts the stream after its last second
+    # uvicorn re-raises the signal it shut down for, with the handler it found restored
+    assert process.wait(timeout=30) == -signal.SIGTERM
     assert time.monotonic() - start < 10

@@ -246,7 +246,12 @@ def test_two_replicas_and_a_worker_share_nothing_but_the_databases(deployment, p
         events = stream.iter_lines()
         first = next(line for line in events if line.startswith("data: "))
         api_a.send_signal(signal.SIGTERM)
-        assert httpx.get(f"{url_a}/readyz", timeout=10).status_code == 503
+        # A signal is asynchronous: readiness must fail soon (a load balancer polls it every
+        # few seconds), well before the stream in flight ends.
+        deadline = time.monotonic() + 5
+        while httpx.get(f"{url_a}/readyz", timeout=10).status_code != 503:
+            assert time.monotonic() < deadline, f"ready 5 s after SIGTERM:\n{deployment.log('api-a')}"
+            time.sleep(0.05)
         refused = httpx.get(f"{url_a}/v1/models", headers=bearer(key), timeout=10)
         assert refused.status_code == 503 and refused.json()["error"]["code"] == "shutting_down"
         rest = [line.removeprefix("data: ") for line in events if line.startswith("data: ")]
