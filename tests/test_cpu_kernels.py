@@ -388,6 +388,20 @@ def test_bf16_linear_rows_do_not_depend_on_the_batch(path):
         assert torch.equal(head(x[rows - 1:rows], path=path), full[rows - 1:rows])
 
 
+@pytest.mark.parametrize("path", BF16_PATHS)
+def test_bf16_linear_rounds_float32_inputs_as_torch_does(path):
+    """The kernel converts float32 rows to bf16 itself: the same bits as torch's conversion
+    first, ties to even included, for rows of a wider tensor too."""
+    g = torch.Generator().manual_seed(6)
+    head = kernel.Bf16Linear(torch.randn(48, 37, generator=g))
+    wide = torch.randn(100, 50, generator=g)
+    halfway = ((wide.view(torch.int32) & ~0xFFFF) | 0x8000).view(torch.float32)
+    wide[::3] = halfway[::3]  # exactly between two bf16 values
+    x = wide[:, :37]  # rows 50 floats apart; 37: two vectors and a tail a row
+    assert torch.equal(head(x, path=path), head(x.bfloat16(), path=path))
+    assert torch.equal(head(x, path=path), head(x.contiguous(), path=path))
+
+
 @pytest.mark.skipif(not kernel.bf16_linear_paths(), reason="no kernel build with AVX512-BF16 here")
 def test_bf16_linear_runs_the_fastest_path_by_default_and_names_the_others():
     head = kernel.Bf16Linear(torch.randn(40, 64))

@@ -23,7 +23,9 @@
 
 #include <ATen/Parallel.h>
 
-#if defined(__AVX512BF16__)
+#include <vector>
+
+#if defined(__AVX512F__)
 #include <immintrin.h>
 #endif
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__)
@@ -38,6 +40,52 @@ using namespace inherent;
 
 constexpr int64_t kPanel = 16;      // output columns per panel: one register of float32
 constexpr int64_t kTilePairs = 16;  // k pairs in an AMX tile row block (64-byte tile rows)
+
+#if defined(__AVX512BF16__) || defined(INHERENT_AMX)
+// n floats as bf16 with c10::BFloat16's rounding, as torch's conversion rounds: to nearest even,
+// a NaN as 0x7FC0.
+inline void to_bf16(const float* src, int64_t n, at::BFloat16* dst) {
+  const __m512i one = _mm512_set1_epi32(1), half = _mm512_set1_epi32(0x7FFF),
+                nan = _mm512_set1_epi32(0x7FC0);
+  int64_t j = 0;
+  for (; j + 16 <= n; j += 16) {
+    const __m512 v = _mm512_loadu_ps(src + j);
+    const __m512i bits = _mm512_castps_si512(v);
+    const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), one);
+    __m512i rounded = _mm512_srli_epi32(_mm512_add_epi32(bits, _mm512_add_epi32(half, lsb)), 16);
+    rounded = _mm512_mask_blend_epi32(_mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), rounded, nan);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + j), _mm512_cvtepi32_epi16(rounded));
+  }
+  for (; j < n; ++j) dst[j] = at::BFloat16(src[j]);
+}
+
+// x [rows, k] (float32 or bfloat16, rows contiguous) as bf16 rows of `ld` elements, zeros after
+// k and in rows rows..padded_rows - 1, in a 64-byte aligned buffer the calling thread keeps
+// (valid until its next call). Made with a tensor's zeros, narrows and copy (ten ATen calls a
+// matmul), a layer's four AMX matmuls took 10-16 % longer at 1 and 16 rows and 5 % at 64, the
+// AVX512-BF16 path's 8 % at 1 row (2 Xeon cores, family 6 model 207; medians of calls
+// interleaved in one process, the same bits).
+const at::BFloat16* bf16_rows(const torch::Tensor& x, int64_t padded_rows, int64_t ld) {
+  thread_local std::vector<at::BFloat16> buffer;
+  buffer.resize(padded_rows * ld + 32);
+  at::BFloat16* xb = reinterpret_cast<at::BFloat16*>(
+      (reinterpret_cast<uintptr_t>(buffer.data()) + 63) & ~uintptr_t(63));  // whole tile rows
+  const int64_t rows = x.size(0), k = x.size(1), row_bytes = x.stride(0) * x.element_size();
+  const bool bf16 = x.scalar_type() == torch::kBFloat16;
+  const char* x0 = static_cast<const char*>(x.data_ptr());
+  // split only for prefill-sized inputs: 1-16 rows convert faster than threads wake
+  at::parallel_for(0, padded_rows, 64, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      at::BFloat16* row = xb + r * ld;
+      const char* src = x0 + r * row_bytes;
+      if (r < rows && bf16) std::copy_n(reinterpret_cast<const at::BFloat16*>(src), k, row);
+      else if (r < rows) to_bf16(reinterpret_cast<const float*>(src), k, row);
+      std::fill(row + (r < rows ? k : 0), row + ld, at::BFloat16(0.f));
+    }
+  });
+  return xb;
+}
+#endif
 
 #if defined(__AVX512BF16__)
 constexpr bool kSupported = true;
@@ -125,17 +173,14 @@ void amx_block(const at::BFloat16* x, int64_t ldx, const uint32_t* w0, const uin
   }
 }
 
-// x [rows, k] (any float type) times the packed weight into out [rows, columns], on AMX.
+// x [rows, k] (float32 or bfloat16) times the packed weight into out [rows, columns], on AMX.
 void amx_linear(const torch::Tensor& x, const uint32_t* wp, int64_t num_panels, int64_t stride,
                 float* op, int64_t columns) {
-  const int64_t rows = x.size(0), k = x.size(1);
+  const int64_t rows = x.size(0);
   const int64_t a_tiles = rows <= 16 ? 1 : 2, block_rows = 16 * a_tiles;
   const int64_t padded_rows = (rows + block_rows - 1) / block_rows * block_rows;
   const int64_t ldx = stride * 2, k_tiles = stride / kTilePairs;
-  // x as bf16, padded with zeros to whole row blocks and whole k tiles
-  auto xb = torch::zeros({padded_rows, ldx}, x.options().dtype(torch::kBFloat16));
-  xb.narrow(0, 0, rows).narrow(1, 0, k).copy_(x);
-  const at::BFloat16* xp = xb.data_ptr<at::BFloat16>();
+  const at::BFloat16* xp = bf16_rows(x, padded_rows, ldx);  // whole row blocks and k tiles
   const int64_t groups = num_panels / 2;
   // A thread takes whole panel pairs; every row block passes over a pair while it is in
   // cache (36 KB at k = 576). Every matmul splits across the threads, however few its rows: a
@@ -228,10 +273,8 @@ torch::Tensor bf16_linear(torch::Tensor x, torch::Tensor packed, int64_t columns
   }
 #endif
 #if defined(__AVX512BF16__)
-  // x as bf16 pairs: one conversion (none when it already is that), an odd k padded with zero.
-  torch::Tensor xb = x.to(torch::kBFloat16).contiguous();
-  if (k % 2 != 0) xb = torch::constant_pad_nd(xb, {0, 1});
-  const uint32_t* xp = reinterpret_cast<const uint32_t*>(xb.data_ptr<at::BFloat16>());
+  // x as bf16 pairs, an odd k padded with zero
+  const uint32_t* xp = reinterpret_cast<const uint32_t*>(bf16_rows(x, rows, 2 * pairs));
   constexpr int64_t kRowBlock = 6;  // 6 rows x 2 panels: 12 accumulators
   // Threads split panel pairs; every thread runs all rows over its panels (the panel stays
   // in L1 while the rows, a few hundred KB of bf16, stream from L2).
