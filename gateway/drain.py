@@ -102,10 +102,10 @@ class DrainingServer(uvicorn.Server):
 
         A Python-level handler runs only when the main thread next checks for signals, and on
         CPython 3.11 another thread (the engine's step loop) recomputing the interpreter's
-        eval breaker can hide a signal from the main thread: the loop could then answer
-        ``/readyz`` with 200 after SIGTERM. The loop's handlers come through its wakeup fd,
-        so the drain starts at the loop's next turn. uvicorn's own context still restores the
-        previous handlers and re-raises what it captured on the way out."""
+        eval breaker can hide a pending signal from the main thread for a while: the likeliest
+        reason a CI run once read 200 from ``/readyz`` just after SIGTERM. The loop's handlers
+        come through its wakeup fd, so the drain starts at the loop's next turn. uvicorn's own
+        context still restores the previous handlers and re-raises what it captured."""
         with super().capture_signals():
             loop = asyncio.get_running_loop()
             on_main_thread = threading.current_thread() is threading.main_thread()
