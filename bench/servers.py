@@ -108,8 +108,8 @@ def vllm_peer_ready() -> bool:
 
 
 @contextmanager
-def vllm_server(log_path: Path) -> Iterator[Server]:
+def vllm_server(log_path: Path, extra_env: dict[str, str] | None = None) -> Iterator[Server]:
     port = free_port()
-    with running(["bash", str(PEER_SCRIPT), "serve", str(port)], dict(os.environ), "/health",
-                 log_path, port) as server:
+    with running(["bash", str(PEER_SCRIPT), "serve", str(port)],
+                 {**os.environ, **(extra_env or {})}, "/health", log_path, port) as server:
         yield server
