@@ -4,14 +4,18 @@ real signals reach it; started by tests/test_drain.py.
     python tests/draining_server.py DATA_DIR PORT GRACE_S
 
 A Python thread keeps taking the GIL as the engine's step loop does, and ``/slow`` streams 20
-lines, one every 0.1 s.
+lines, one every 0.1 s. ``leaves_rotation`` is the readiness check after a SIGTERM that this
+server's tests and the production test share.
 """
 
 import asyncio
 import sys
 import threading
+import time
+from collections.abc import Callable
 from pathlib import Path
 
+import httpx
 import uvicorn
 from fastapi import FastAPI
 from fastapi.responses import StreamingResponse
@@ -47,6 +51,15 @@ def slow_app(data_dir: Path, grace_s: float, chunks: int, every_s: float) -> Fas
         return StreamingResponse(body(), media_type="text/plain")
 
     return app
+
+
+def leaves_rotation(url: str, log: Callable[[], str] = lambda: "") -> None:
+    """/readyz answers 503 within 5 s of a SIGTERM: a signal is asynchronous, and a load balancer
+    polls readiness every few seconds. ``log``: the server's log, for the failure message."""
+    deadline = time.monotonic() + 5
+    while httpx.get(f"{url}/readyz", timeout=10).status_code != 503:
+        assert time.monotonic() < deadline, f"still ready 5 s after SIGTERM\n{log()}"
+        time.sleep(0.05)
 
 
 def keep_the_gil_busy() -> None:

@@ -13,9 +13,9 @@ from pathlib import Path
 import httpx
 import pytest
 import uvicorn
-from draining_server import slow_app
 
 from gateway.drain import DrainingServer
+from tests.draining_server import leaves_rotation, slow_app
 
 DRAINING_SERVER = Path(__file__).with_name("draining_server.py")
 
@@ -111,14 +111,6 @@ def server_process(tmp_path):
         if process.poll() is None:
             process.kill()
             process.wait()
-
-
-def leaves_rotation(url: str) -> None:
-    """/readyz answers 503 within 5 s: a signal is asynchronous, a load balancer polls."""
-    deadline = time.monotonic() + 5
-    while httpx.get(f"{url}/readyz", timeout=10).status_code != 503:
-        assert time.monotonic() < deadline, "still ready 5 s after SIGTERM"
-        time.sleep(0.05)
 
 
 def test_a_real_sigterm_takes_the_replica_out(server_process):
