@@ -61,7 +61,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
-import torch
 from prometheus_client.parser import text_string_to_metric_families
 
 from bench import cpu
@@ -73,9 +72,10 @@ from bench.servers import (
     vllm_peer_ready,
     vllm_server,
 )
+from engine.config import EngineConfig
 from engine.loader import config_from_gguf, read_gguf
-from engine.model import default_kv_cache_dtype, kv_cache_bytes_per_block
 from engine.model_files import bundled_model_path
+from engine.model_runner import kv_cache_blocks
 from gateway.client import question
 
 API_KEY = "inherent-bench-serving-key-0123456789"
@@ -146,11 +146,12 @@ class Target:
 
 def kv_cache_tokens(gib: int) -> int:
     """The tokens `gib` GiB of KV cache hold for the bundled model in Inherent's KV dtype here
-    (bf16 where the CPU has bf16 dot products, float32 elsewhere: what vLLM's peer picks too)."""
+    (bf16 where the CPU has bf16 dot products, float32 elsewhere: what vLLM's peer picks too),
+    as the engine sizes a cache from a byte budget."""
     gguf = read_gguf(bundled_model_path())
-    config = config_from_gguf(gguf.metadata, (t.name for t in gguf.tensors))
-    dtype = default_kv_cache_dtype(None, torch.float32)
-    return (gib << 30) // kv_cache_bytes_per_block(config, 1, dtype)
+    model_config = config_from_gguf(gguf.metadata, (t.name for t in gguf.tensors))
+    config = EngineConfig(kv_cache_bytes=gib << 30)
+    return kv_cache_blocks(config, model_config) * config.block_size
 
 
 async def prefix_cache_tokens(client: httpx.AsyncClient, target: Target) -> tuple[float, float]:
