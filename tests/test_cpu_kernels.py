@@ -150,6 +150,32 @@ def test_prefill_chunks_compute_each_rows_bits_alone(dtype, heads, kv_heads, hea
             assert torch.equal(alone[0], together[r]), (path, r)
 
 
+@pytest.mark.parametrize("threads", [2, 3])
+@pytest.mark.parametrize(("heads", "kv_heads", "head_dim", "block_size"), SHAPES)
+def test_runs_cut_by_kv_head_across_threads_keep_their_bits(threads, heads, kv_heads, head_dim,
+                                                            block_size):
+    """Fewer runs than threads (a decode alone, two beside three threads, a short prompt
+    alone): the threads share each run's KV heads, and every row keeps the bits it has on one
+    thread, on every path."""
+    q, cache, tables, seq, positions = prefill_case(3, heads=heads, kv_heads=kv_heads,
+                                                    head_dim=head_dim, block_size=block_size,
+                                                    dtype=torch.bfloat16)
+    cuts = [(r, r + 1) for r in range(0, q.shape[0], 7)] + [(40, 42), (69, 72)]
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        expected = kernel.paged_attention(q, cache, tables, seq, positions, head_dim**-0.5,
+                                          path="portable")
+        torch.set_num_threads(threads)
+        for path in kernel.available_paths():
+            for a, b in cuts:
+                rows = kernel.paged_attention(q[a:b], cache, tables, seq[a:b], positions[a:b],
+                                              head_dim**-0.5, path=path)
+                assert torch.equal(rows, expected[a:b]), (path, a, b)
+    finally:
+        torch.set_num_threads(before)
+
+
 def test_the_widest_path_runs_by_default_and_the_env_var_forces_one(monkeypatch):
     paths = kernel.available_paths()
     assert paths[-1] == "portable" and paths == [p for p in PATHS if p in paths]

@@ -107,8 +107,8 @@ void attend_portable(const Token<T>& t, std::vector<float>& acc) {
   std::copy(acc.begin(), acc.end(), t.out);
 }
 
-// Pulls a whole slot (K and V of every KV head) into L2, a tile of keys ahead: scattered
-// blocks defeat the hardware prefetcher, and the V half is read again by the weighted sum.
+// Pulls a slot's K and V (of the KV heads a call computes) into L2, a tile of keys ahead:
+// scattered blocks defeat the hardware prefetcher, and V is read again by the weighted sum.
 // Measured, 64 decodes over a bf16 cache of 20 MB per layer on 2 cores: no prefetch 2.07 ms,
 // into L1 2.20 ms (the prefetches stall on L1's few miss buffers), into L2 1.61 ms. The slots
 // of the next tile are asked for one per key as key_tile converts the current tile, not all
@@ -116,10 +116,14 @@ void attend_portable(const Token<T>& t, std::vector<float>& acc) {
 // at 450 over 30 layers' bf16 caches on shuffled blocks (2 Zen 4 cores): 10.6-11.9 ms against
 // 13.0-13.5 with the burst, 12.9-13.9 against 17.0-18.1 on the AVX2 path (docs/architecture.md).
 #if defined(INHERENT_AVX2) || defined(INHERENT_AVX512)
+// `k`: the first K a call reads of a slot, `bytes` of them, and as many of V from k + v_offset
+// (the whole slot, contiguous, when the call computes every KV head).
 template <typename T>
-inline void prefetch_slot(const T* slot, int64_t bytes) {
-  const char* p = reinterpret_cast<const char*>(slot);
-  for (int64_t b = 0; b < bytes; b += 64) _mm_prefetch(p + b, _MM_HINT_T1);
+inline void prefetch_slot(const T* k, int64_t v_offset, int64_t bytes) {
+  for (const T* part : {k, k + v_offset}) {
+    const char* p = reinterpret_cast<const char*>(part);
+    for (int64_t b = 0; b < bytes; b += 64) _mm_prefetch(p + b, _MM_HINT_T1);
+  }
 }
 #endif
 
@@ -201,9 +205,9 @@ inline void values_of(int64_t count, const Token<T>& t, int64_t first, int64_t v
 // ask for, one as each key converts.
 template <class V, int D, typename T>
 inline void key_tile(const T* const* keys, int64_t first, int64_t kv_heads, float* tile,
-                     const T* const* ahead, int64_t slot_bytes) {
+                     const T* const* ahead, int64_t v_offset) {
   for (int j = 0; j < V::W; ++j) {
-    if (ahead != nullptr) prefetch_slot(ahead[j], slot_bytes);
+    if (ahead != nullptr) prefetch_slot(ahead[j], v_offset, kv_heads * D * sizeof(T));
     for (int64_t g = 0; g < kv_heads; ++g)
       for (int c = 0; c < D / V::W; ++c)
         V::store(tile + (g * V::W + j) * D + V::W * c,
@@ -258,12 +262,12 @@ void attend_vectorized(const Token<T>* tokens, int64_t count, std::vector<float>
   // 32 hold sums
   constexpr int kDims = kValueRegs * V::W, kHeads = V::W == 16 ? 4 : 2;
   const Token<T>& last = tokens[count - 1];
-  const int64_t kv_heads = last.heads / last.group, slot_bytes = 2 * last.v_offset * sizeof(T);
+  const int64_t kv_heads = last.heads / last.group, kv_bytes = kv_heads * D * sizeof(T);
   tile.resize(V::W * kv_heads * D);
-  for (int j = 0; j < kLanes; ++j) prefetch_slot(last.keys[j], slot_bytes);
+  for (int j = 0; j < kLanes; ++j) prefetch_slot(last.keys[j], last.v_offset, kv_bytes);
   for (int64_t first = 0; first < last.n; first += V::W) {
     const T* const* ahead = first + kLanes < last.padded ? last.keys + first + kLanes : nullptr;
-    key_tile<V, D>(last.keys, first, kv_heads, tile.data(), ahead, slot_bytes);
+    key_tile<V, D>(last.keys, first, kv_heads, tile.data(), ahead, last.v_offset);
     // Two tokens at a time where the registers allow (AVX-512: 16 sums), the longest first:
     // every key register loaded serves both. A 176-token chunk at positions 450-625 on 2 Xeon
     // cores (family 6 model 167): 52.0 ms against 58.4-58.6 one at a time; three, the same.
@@ -307,27 +311,37 @@ struct Layout {
   const int32_t* tables;
 };
 
+// The query heads an attend() call computes: those of KV heads kv_first..kv_first + kv_count - 1,
+// `group` query heads each.
+struct Heads {
+  int64_t kv_first, kv_count, group;
+};
+
 // Tokens first..first + count - 1 of q and out, one sequence's at consecutive positions from
-// `position` (count 1: a lone token), each attending its keys 0..its position.
+// `position` (count 1: a lone token), each attending its keys 0..its position, for the query
+// heads `h` names (a head's arithmetic is the same whichever others a call computes beside it).
 template <typename T>
 void attend(const Layout& L, const float* q, int64_t q_stride, float* out, int64_t count,
-            const int32_t* table, int64_t position, int64_t heads, int64_t D, float scale,
+            const int32_t* table, int64_t position, Heads h, int64_t D, float scale,
             Path path, std::vector<const T*>& keys, std::vector<Token<T>>& tokens,
             std::vector<float>& scores, std::vector<float>& scratch) {
   const auto pad = [](int64_t n) { return (n + kLanes - 1) / kLanes * kLanes; };
   const int64_t n = position + count, padded = pad(n);  // the last token's
+  const int64_t heads = h.kv_count * h.group, first_head = h.kv_first * h.group;
+  const int64_t out_stride = L.kv_heads * h.group * D;
   keys.resize(padded);
   for (int64_t j = 0, b = 0; j < n; ++b) {  // a division per key would cost more than its use
-    const T* slot = static_cast<const T*>(L.kv) + (int64_t)table[b] * L.block_size * L.slot_stride;
+    const T* slot = static_cast<const T*>(L.kv) +
+                    (int64_t)table[b] * L.block_size * L.slot_stride + h.kv_first * D;
     for (int64_t o = 0; o < L.block_size && j < n; ++o, ++j) keys[j] = slot + o * L.slot_stride;
   }
   std::fill(keys.begin() + n, keys.end(), keys[n - 1]);
   scores.resize(count * heads * padded);
   tokens.clear();
   for (int64_t i = 0; i < count; ++i)  // an earlier token reads later keys only as padding
-    tokens.push_back({q + i * q_stride, out + i * heads * D, keys.data(), position + 1 + i,
-                      pad(position + 1 + i), heads, heads / L.kv_heads, D, L.v_offset, scale,
-                      scores.data() + i * heads * padded});
+    tokens.push_back({q + i * q_stride + first_head * D, out + i * out_stride + first_head * D,
+                      keys.data(), position + 1 + i, pad(position + 1 + i), heads, h.group, D,
+                      L.v_offset, scale, scores.data() + i * heads * padded});
 #if defined(INHERENT_AVX512)
   if (path == Path::kAvx512 && (D == 64 || D == 128))
     return D == 64 ? attend_vectorized<Avx512, 64>(tokens.data(), count, scratch)
@@ -390,7 +404,13 @@ torch::Tensor paged_attention(torch::Tensor q, torch::Tensor cache, torch::Tenso
   // cores, where a decode's key costs 3.5 times a run token's, against the estimate's 1.8).
   // Taken so, 16 decodes at 404-532 beside 176 prompt tokens took 26.1-26.8 ms over the bundled
   // model's 30 layers against 27.8-29.9 (bf16 cache, medians of 40 steps, two alternations).
-  // Which thread computes a run never changes its bits.
+  // Fewer runs than threads (a decode alone): each run's KV heads are taken one at a time, or
+  // the other threads would wait out the whole attention at every layer (each asks ahead for
+  // its own heads' K and V only). A decode alone at 450 over 30 layers' bf16 caches (2 Xeon
+  // cores, family 6 model 167; medians of 40, builds alternated twice): 0.63-0.64 ms against
+  // 0.84-0.95, 0.80-0.84 against 1.02-1.18 on the AVX2 path; at 1,500, 2.03-2.20 against
+  // 3.08-3.39; 16 decodes (not cut) unchanged. Which thread computes a run, or which heads
+  // beside a head, never changes its bits.
   std::vector<int64_t> run_at, cost;  // each run's first token (then num_tokens), its estimate
   for (int64_t t = 0; t < num_tokens;) {
     int64_t count = 1;
@@ -403,30 +423,34 @@ torch::Tensor paged_attention(torch::Tensor q, torch::Tensor cache, torch::Tenso
     cost.push_back(keys);
     t += count;
   }
-  const int64_t runs = static_cast<int64_t>(cost.size());
+  const int64_t runs = static_cast<int64_t>(cost.size()), threads = at::get_num_threads();
+  const int64_t parts = runs < threads ? L.kv_heads : 1;  // items a run is cut into
   run_at.push_back(num_tokens);
-  std::vector<int64_t> order(runs);
+  std::vector<int64_t> order(runs * parts);  // item i: run i / parts, its part i % parts
   std::iota(order.begin(), order.end(), 0);
   std::stable_sort(order.begin(), order.end(),
-                   [&](int64_t a, int64_t b) { return cost[a] > cost[b]; });
+                   [&](int64_t a, int64_t b) { return cost[a / parts] > cost[b / parts]; });
+  const int64_t items = static_cast<int64_t>(order.size()), group = heads / L.kv_heads;
   std::atomic<int64_t> next{0};
-  const int64_t workers = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), runs));
+  const int64_t workers = std::max<int64_t>(1, std::min<int64_t>(threads, items));
   at::parallel_for(0, workers, 1, [&](int64_t, int64_t) {
     std::vector<const float*> keys32;
     std::vector<const uint16_t*> keys16;
     std::vector<Token<float>> tokens32;
     std::vector<Token<uint16_t>> tokens16;
     std::vector<float> scores, scratch;
-    for (int64_t i; (i = next.fetch_add(1, std::memory_order_relaxed)) < runs;) {
-      const int64_t r = order[i], t = run_at[r], count = run_at[r + 1] - t;
+    for (int64_t i; (i = next.fetch_add(1, std::memory_order_relaxed)) < items;) {
+      const int64_t r = order[i] / parts, t = run_at[r], count = run_at[r + 1] - t;
+      const int64_t kv_count = L.kv_heads / parts;
+      const Heads h{order[i] % parts * kv_count, kv_count, group};
       const float* qt = q_data + t * q_stride;
       float* o = out_data + t * heads * head_dim;
       const int32_t* table = L.tables + seq_of[t] * L.max_blocks;
       if (bf16)
-        attend(L, qt, q_stride, o, count, table, pos_of[t], heads, head_dim, fscale, path, keys16,
+        attend(L, qt, q_stride, o, count, table, pos_of[t], h, head_dim, fscale, path, keys16,
                tokens16, scores, scratch);
       else
-        attend(L, qt, q_stride, o, count, table, pos_of[t], heads, head_dim, fscale, path, keys32,
+        attend(L, qt, q_stride, o, count, table, pos_of[t], h, head_dim, fscale, path, keys32,
                tokens32, scores, scratch);
     }
   });
