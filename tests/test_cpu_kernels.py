@@ -404,10 +404,13 @@ def test_bf16_linear_is_a_bf16_matmul_with_float32_results(path, rows, out_featu
 
 
 @pytest.mark.parametrize("path", BF16_PATHS)
-def test_bf16_linear_rows_do_not_depend_on_the_batch(path):
+@pytest.mark.parametrize("in_features", [64, 608])  # AMX: 2 k tiles; 19, in pairs and one
+def test_bf16_linear_rows_do_not_depend_on_the_batch(path, in_features):
     g = torch.Generator().manual_seed(5)
-    head = kernel.Bf16Linear(torch.randn(100, 64, generator=g))
-    x = torch.randn(257, 64, generator=g)
+    head = kernel.Bf16Linear(torch.randn(100, in_features, generator=g))
+    # magnitudes 2^-6..2^6 apart: sums that round at most steps, so any change of order shows
+    scales = torch.exp2(torch.randint(-6, 7, (257, in_features), generator=g).float())
+    x = torch.randn(257, in_features, generator=g) * scales
     full = head(x, path=path)
     for rows in (1, 2, 5, 6, 7, 13, 16, 17, 31, 32, 33, 69, 256):
         assert torch.equal(head(x[:rows], path=path), full[:rows])
