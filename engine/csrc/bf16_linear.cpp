@@ -129,16 +129,15 @@ bool amx_granted() {
   return granted;
 }
 
-// Tiles 0-3 accumulate [kATiles * 16 rows] x [32 columns]; 4-5 hold x, 6-7 the two panels
-// (with one row block: 0-1 accumulate, 2-3 and 6-7 hold two k tiles' panels, 4-5 their x).
+// Every tile 16 rows of 64 bytes, but for x and the accumulators of fewer than 16 rows of x:
+// tiles 0-3 accumulate, 4 (and 5, for a second row block) hold x, the others panels.
 struct alignas(64) TileConfig {
   uint8_t palette = 1, start_row = 0, reserved[14] = {};
   uint16_t bytes_per_row[16] = {};
   uint8_t rows[16] = {};
-  // `x_rows`: rows of x's and the accumulators' tiles (16 but for a block of fewer rows)
-  explicit TileConfig(uint8_t x_rows = 16) {
+  explicit TileConfig(int64_t x_rows) {
     for (int t = 0; t < 8; ++t) bytes_per_row[t] = 64, rows[t] = 16;
-    if (x_rows < 16) rows[0] = rows[1] = rows[4] = rows[5] = x_rows;
+    if (x_rows < 16) rows[0] = rows[1] = rows[2] = rows[3] = rows[4] = uint8_t(x_rows);
   }
 };
 
@@ -154,29 +153,7 @@ void amx_block(const at::BFloat16* x, int64_t ldx, const uint32_t* w0, const uin
     _tile_zero(3);
   }
   const int64_t x_stride = ldx * sizeof(at::BFloat16);
-  int64_t t = 0;
-  if constexpr (kATiles == 1) {
-    // Two k tiles a pass, the second in tiles 5, 2, 3 (idle with one row block), so the next
-    // tile's loads need not wait for the dot products still reading this one's; and x's tiles
-    // hold only x's rows (TileConfig). The bundled model's 120 decoder matmuls at 1 row:
-    // 7.3-7.8 against 8.0-8.6 ms, at 4 rows 8.0-8.4 against 9.4-9.6; 16 and 64 unchanged (2 Xeon
-    // cores, family 6 model 167, medians of 30, builds alternated). The same sums in the same
-    // order: the same bits.
-    for (; t + 1 < k_tiles; t += 2) {
-      const int64_t k = t * 2 * kTilePairs;
-      _tile_loadd(6, w0 + t * kTilePairs * kPanel, 64);
-      _tile_loadd(7, w1 + t * kTilePairs * kPanel, 64);
-      _tile_loadd(4, x + k, x_stride);
-      _tile_loadd(2, w0 + (t + 1) * kTilePairs * kPanel, 64);
-      _tile_loadd(3, w1 + (t + 1) * kTilePairs * kPanel, 64);
-      _tile_loadd(5, x + k + 2 * kTilePairs, x_stride);
-      _tile_dpbf16ps(0, 4, 6);
-      _tile_dpbf16ps(1, 4, 7);
-      _tile_dpbf16ps(0, 5, 2);
-      _tile_dpbf16ps(1, 5, 3);
-    }
-  }
-  for (; t < k_tiles; ++t) {
+  for (int64_t t = 0; t < k_tiles; ++t) {
     const int64_t k = t * 2 * kTilePairs;
     _tile_loadd(6, w0 + t * kTilePairs * kPanel, 64);
     _tile_loadd(7, w1 + t * kTilePairs * kPanel, 64);
@@ -198,6 +175,40 @@ void amx_block(const at::BFloat16* x, int64_t ldx, const uint32_t* w0, const uin
   }
 }
 
+// Up to 16 rows of x (as amx_block) times four panels from w (their tiles 1 KB apart, the
+// panels `panel` elements apart) into c [16][64]: four accumulator chains (tiles 0-3) in
+// flight instead of two, x in tile 4, the panels taking turns in 5-7. Each chain adds the
+// same products in the same order as amx_block's: the same bits. The bundled model's 120
+// decoder matmuls against amx_block's pairs (2 Xeon cores, family 6 model 167, a noisy host;
+// medians of 30, builds alternated twice): 1 row 7.6-8.6 against 8.4-8.9 ms, 4 rows 8.4-8.9
+// against 8.5-9.3, 16 rows 8.9-9.4 against 9.5-10.3 (against 8.4-8.7, 8.0-8.9 and 9.3-10.0
+// for pairs that took two k tiles a pass on the idle tiles).
+void amx_quad(const at::BFloat16* x, int64_t ldx, const uint32_t* w, int64_t panel,
+              int64_t k_tiles, float* c) {
+  _tile_zero(0);  // the tile intrinsics take constant tile numbers only
+  _tile_zero(1);
+  _tile_zero(2);
+  _tile_zero(3);
+  const int64_t x_stride = ldx * sizeof(at::BFloat16);
+  for (int64_t t = 0; t < k_tiles; ++t) {
+    const uint32_t* wt = w + t * kTilePairs * kPanel;
+    _tile_loadd(4, x + t * 2 * kTilePairs, x_stride);
+    _tile_loadd(5, wt, 64);
+    _tile_loadd(6, wt + panel, 64);
+    _tile_loadd(7, wt + 2 * panel, 64);
+    _tile_dpbf16ps(0, 4, 5);
+    _tile_dpbf16ps(1, 4, 6);
+    _tile_loadd(5, wt + 3 * panel, 64);  // once the first dot product has read it
+    _tile_dpbf16ps(2, 4, 7);
+    _tile_dpbf16ps(3, 4, 5);
+  }
+  constexpr int64_t kCStride = 4 * kPanel * sizeof(float);
+  _tile_stored(0, c, kCStride);
+  _tile_stored(1, c + kPanel, kCStride);
+  _tile_stored(2, c + 2 * kPanel, kCStride);
+  _tile_stored(3, c + 3 * kPanel, kCStride);
+}
+
 // x [rows, k] (float32 or bfloat16) times the packed weight into out [rows, columns], on AMX.
 void amx_linear(const torch::Tensor& x, const uint32_t* wp, int64_t num_panels, int64_t stride,
                 float* op, int64_t columns) {
@@ -213,10 +224,17 @@ void amx_linear(const torch::Tensor& x, const uint32_t* wp, int64_t num_panels, 
   // (the bundled model's decoder matmuls at 1 row on 2 Xeon cores: 8.5 against 12 ms with
   // matrices of up to 1,024 columns on one thread; docs/architecture.md).
   at::parallel_for(0, groups, 1, [&](int64_t begin, int64_t end) {
-    const TileConfig config(static_cast<uint8_t>(std::min<int64_t>(rows, 16)));
+    const TileConfig config(rows);
     _tile_loadconfig(&config);
     alignas(64) float c[32 * 2 * kPanel];
-    for (int64_t g = begin; g < end; ++g) {
+    int64_t g = begin;
+    for (; a_tiles == 1 && g + 1 < end; g += 2) {  // two pairs at once
+      const int64_t first = 2 * g * kPanel, width = std::min(4 * kPanel, columns - first);
+      amx_quad(xp, ldx, wp + 2 * g * stride * kPanel, stride * kPanel, k_tiles, c);
+      for (int64_t i = 0; i < rows; ++i)
+        std::copy_n(c + i * 4 * kPanel, width, op + i * columns + first);
+    }
+    for (; g < end; ++g) {
       const uint32_t* w0 = wp + 2 * g * stride * kPanel;
       const uint32_t* w1 = w0 + stride * kPanel;
       const int64_t first = 2 * g * kPanel, width = std::min(2 * kPanel, columns - first);
