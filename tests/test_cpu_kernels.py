@@ -404,7 +404,7 @@ def test_bf16_linear_is_a_bf16_matmul_with_float32_results(path, rows, out_featu
 
 
 @pytest.mark.parametrize("path", BF16_PATHS)
-@pytest.mark.parametrize("in_features", [64, 608])  # AMX: 2 k tiles; 19, in pairs and one
+@pytest.mark.parametrize("in_features", [64, 608])  # AMX: 2 k tiles, and 19
 def test_bf16_linear_rows_do_not_depend_on_the_batch(path, in_features):
     g = torch.Generator().manual_seed(5)
     head = kernel.Bf16Linear(torch.randn(100, in_features, generator=g))

@@ -181,8 +181,7 @@ void amx_block(const at::BFloat16* x, int64_t ldx, const uint32_t* w0, const uin
 // same products in the same order as amx_block's: the same bits. The bundled model's 120
 // decoder matmuls against amx_block's pairs (2 Xeon cores, family 6 model 167, a noisy host;
 // medians of 30, builds alternated twice): 1 row 7.6-8.6 against 8.4-8.9 ms, 4 rows 8.4-8.9
-// against 8.5-9.3, 16 rows 8.9-9.4 against 9.5-10.3 (against 8.4-8.7, 8.0-8.9 and 9.3-10.0
-// for pairs that took two k tiles a pass on the idle tiles).
+// against 8.5-9.3, 16 rows 8.9-9.4 against 9.5-10.3.
 void amx_quad(const at::BFloat16* x, int64_t ldx, const uint32_t* w, int64_t panel,
               int64_t k_tiles, float* c) {
   _tile_zero(0);  // the tile intrinsics take constant tile numbers only
