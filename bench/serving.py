@@ -446,8 +446,8 @@ def main() -> None:
     summary.update({
         "concurrency": args.concurrency, "duration_s": args.duration, "settle_s": args.settle,
         "prompt_tokens": [args.prompt_min, args.prompt_max], "output_tokens": args.output_tokens,
-        "prompts": args.prompts, "kv_cache_gib": args.kv_cache_gib, "inherent_env": args.inherent_env, "rounds": rounds,
-        "cpu": machine,
+        "prompts": args.prompts, "kv_cache_gib": args.kv_cache_gib,
+        "inherent_env": args.inherent_env, "rounds": rounds, "cpu": machine,
     })
     print(json.dumps(summary))
 

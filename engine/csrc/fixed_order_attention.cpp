@@ -425,6 +425,7 @@ torch::Tensor paged_attention(torch::Tensor q, torch::Tensor cache, torch::Tenso
   }
   const int64_t runs = static_cast<int64_t>(cost.size()), threads = at::get_num_threads();
   const int64_t parts = runs < threads ? L.kv_heads : 1;  // items a run is cut into
+  const int64_t kv_count = L.kv_heads / parts;             // KV heads an item computes
   run_at.push_back(num_tokens);
   std::vector<int64_t> order(runs * parts);  // item i: run i / parts, its part i % parts
   std::iota(order.begin(), order.end(), 0);
@@ -441,7 +442,6 @@ torch::Tensor paged_attention(torch::Tensor q, torch::Tensor cache, torch::Tenso
     std::vector<float> scores, scratch;
     for (int64_t i; (i = next.fetch_add(1, std::memory_order_relaxed)) < items;) {
       const int64_t r = order[i] / parts, t = run_at[r], count = run_at[r + 1] - t;
-      const int64_t kv_count = L.kv_heads / parts;
       const Heads h{order[i] % parts * kv_count, kv_count, group};
       const float* qt = q_data + t * q_stride;
       float* o = out_data + t * heads * head_dim;
