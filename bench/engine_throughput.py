@@ -16,10 +16,11 @@ before each engine round); each side's best round is compared, and every round i
 
 Also printed: the machine's memory read bandwidth (see read_bandwidth_gbs), the batch-1 decode
 roofline (the bytes a decode step reads, in the format the engine reads them, / bandwidth), the
-engine's measured batch-1 decode step, the greedy agreement between the sides, and the token
-positions each side runs through the layers (``hf_work_ratio``: transformers' static batches pad
-every prompt to its batch's longest), which splits the ratio to transformers into work saved and
-speed per position. The last line is one JSON object.
+engine's measured batch-1 decode step (the two alternated: batch1_against_roofline), the greedy
+agreement between the sides, and the token positions each side runs through the layers
+(``hf_work_ratio``: transformers' static batches pad every prompt to its batch's longest), which
+splits the ratio to transformers into work saved and speed per position. The last line is one
+JSON object.
 
     flock /tmp/inherent-bench.lock .venv/bin/python -m bench.engine_throughput
     flock /tmp/inherent-bench.lock .venv/bin/python -m bench.engine_throughput \
@@ -137,6 +138,21 @@ def batch1_decode_ms(engine: LLMEngine, prompt: list[int]) -> float:
     out = engine.generate([prompt], SamplingParams(temperature=0, max_tokens=64,
                                                    ignore_eos=True))[0]
     return statistics.median(out.metrics.itl) * 1e3
+
+
+def batch1_against_roofline(engine: LLMEngine, prompt: list[int],
+                            pairs: int = 3) -> tuple[float, float]:
+    """The batch-1 decode step (ms, the median of ``pairs`` runs) and the read bandwidth
+    (GB/s, the best of as many probes), alternated in the same minute: on a shared host the
+    probe read 33-59 GB/s within minutes (Zen 4 kind), so a probe taken minutes from the
+    decodes it bounds says more about the neighbours than about the engine."""
+    decodes, bandwidths = [], []
+    for _ in range(pairs):
+        bandwidths.append(read_bandwidth_gbs())
+        decodes.append(batch1_decode_ms(engine, prompt))
+    print("batch-1 decode ms / read GB/s, alternated: " + ", ".join(
+        f"{d:.2f} / {b:.1f}" for d, b in zip(decodes, bandwidths, strict=True)))
+    return statistics.median(decodes), max(bandwidths)
 
 
 def transformers_model(checkpoint):
@@ -267,10 +283,6 @@ def main() -> None:
           f"chunked_prefill={config.enable_chunked_prefill} kv_blocks="
           f"{engine.model_runner.num_kv_blocks}")
 
-    bandwidth = read_bandwidth_gbs()
-    weight_bytes = engine.model_runner.model.decode_weight_bytes
-    roofline_ms = weight_bytes / (bandwidth * 1e9) * 1e3
-
     model = engine.model_runner.model
     engine_dtypes = (f"matmuls {str(model.matmul_dtype).removeprefix('torch.')}, KV cache "
                      f"{str(engine.model_runner.kv_cache[0].dtype).removeprefix('torch.')}, "
@@ -320,7 +332,9 @@ def main() -> None:
     out_tok_s = ours["out_tokens"] / ours["elapsed"]
     print(f"engine, best of {len(rounds)}: {out_tok_s:.1f} output tok/s, "
           f"{(ours['out_tokens'] + prompt_tokens) / ours['elapsed']:.1f} total tok/s")
-    decode_ms = batch1_decode_ms(engine, prompts[0][:128])
+    decode_ms, bandwidth = batch1_against_roofline(engine, prompts[0][:128])
+    weight_bytes = model.decode_weight_bytes
+    roofline_ms = weight_bytes / (bandwidth * 1e9) * 1e3
     print(f"memory read bandwidth {bandwidth:.1f} GB/s; weights {weight_bytes / 1e6:.0f} MB -> "
           f"batch-1 decode roofline {roofline_ms:.1f} ms/step; measured {decode_ms:.1f} ms/step")
 
