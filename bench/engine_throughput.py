@@ -144,7 +144,7 @@ def batch1_against_roofline(engine: LLMEngine, prompt: list[int],
                             pairs: int = 3) -> tuple[float, float]:
     """The batch-1 decode step (ms, the median of ``pairs`` runs) and the read bandwidth
     (GB/s, the best of as many probes), alternated in the same minute: on a shared host the
-    probe read 33-59 GB/s within minutes (Zen 4 kind), so a probe taken minutes from the
+    probe read 33-63 GB/s within minutes (Zen 4 kind), so a probe taken minutes from the
     decodes it bounds says more about the neighbours than about the engine."""
     decodes, bandwidths = [], []
     for _ in range(pairs):
