@@ -238,8 +238,8 @@ void amx_linear(const torch::Tensor& x, const uint32_t* wp, int64_t num_panels, 
     // Blocks of 32 rows store their accumulators straight into out where they fill it (every
     // column of their panels, every row of the block), else through c. Copying every block out
     // of c took 5 % of a throughput run's time (perf). Straight, 30 layers' four matmuls took
-    // 0.85-0.95x the time at 192 rows, 0.94-0.95x at 128 and 0.95-0.99x at 64; up to 16 rows
-    // (amx_quad's tiles) 1.06-1.08x, so those keep c (2 Xeon cores, family 6 model 207, medians
+    // 0.85-0.95x the time at 192 rows, 0.94-0.95x at 128 and 0.95-1.05x at 64; up to 16 rows
+    // (amx_quad's tiles) 1.06-1.09x, so those keep c (2 Xeon cores, family 6 model 207, medians
     // of calls interleaved between two builds in one process, the same bits).
     for (; g < end; ++g) {
       const uint32_t* w0 = wp + 2 * g * stride * kPanel;
