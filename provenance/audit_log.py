@@ -49,7 +49,11 @@ def receipt_leaf_payload(receipt: Receipt | ReceiptRow) -> dict[str, Any]:
         "weights_hash": receipt.weights_hash,
         "prompt_hash": receipt.prompt_hash,
         "output_hash": receipt.output_hash,
-        "body_hash": blake3_hex(canonical_json(receipt.body)),
+        # A row the hot path writes holds the body's canonical JSON already; a stored receipt's
+        # body reads back as the dict whose canonical JSON that was.
+        "body_hash": blake3_hex(
+            receipt.body if isinstance(receipt, ReceiptRow) else canonical_json(receipt.body)
+        ),
     }
 
 

@@ -43,10 +43,13 @@ def _convert(processor: Processor, value: Any) -> Any:
 
 class DriverStatement:
     """A SELECT, or an INSERT or UPDATE (with or without RETURNING), whose parameters are all
-    named binds; every execution passes every parameter (no expanding IN lists)."""
+    named binds; every execution passes every parameter (no expanding IN lists).
+    ``serialized``: binds whose values come as the driver takes them, skipping the column type's
+    processor (a JSON column's text, which the caller serialized once to hash the same bytes)."""
 
-    def __init__(self, statement: UpdateBase | Select):
+    def __init__(self, statement: UpdateBase | Select, serialized: tuple[str, ...] = ()):
         self.statement = statement
+        self.serialized = frozenset(serialized)
         self._compiled: dict[tuple[str, str], _Compiled] = {}  # by dialect and driver
 
     def execute(self, bind: Session | Connection, params: dict[str, Any]) -> list[tuple]:
@@ -89,7 +92,9 @@ class DriverStatement:
                 sql=sql.string,
                 names=tuple(sql.positiontup) if sql.positiontup is not None else None,
                 bind={
-                    name: bind.type.dialect_impl(dialect).bind_processor(dialect)
+                    name: None
+                    if name in self.serialized
+                    else bind.type.dialect_impl(dialect).bind_processor(dialect)
                     for name, bind in sql.binds.items()
                 },
                 result=tuple(

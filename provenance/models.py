@@ -215,7 +215,9 @@ class ReceiptRow(NamedTuple):
     weights_hash: str
     prompt_hash: str
     output_hash: str
-    body: dict[str, Any]
+    # The body as canonical JSON text (provenance.hashing.canonical_json): stored as is, and
+    # hashed as is by its audit leaf, so the hot path serializes it once.
+    body: str
 
 
 class ReceiptCitation(Base):

@@ -17,7 +17,7 @@ from sqlalchemy.orm import Session
 
 from provenance import audit_log
 from provenance.driver_sql import DriverStatement
-from provenance.hashing import blake3_hex
+from provenance.hashing import blake3_hex, canonical_json
 from provenance.memory import CitedChunk
 from provenance.models import Receipt, ReceiptCitation, ReceiptRow, utcnow
 
@@ -100,7 +100,7 @@ class ReceiptRecord:
             weights_hash=self.weights_hash,
             prompt_hash=body.prompt_hash,
             output_hash=body.output_hash,
-            body=body.stored(),
+            body=canonical_json(body.stored()).decode(),
         )
 
     def body(self) -> "ReceiptBody":
@@ -224,7 +224,7 @@ def write_receipts(session: Session | Connection, records: Sequence[ReceiptRecor
         audit_log.append_leaves(session, tenant_id, leaves[tenant_id])
 
 
-_INSERT_RECEIPT = DriverStatement(insert(Receipt.__table__))
+_INSERT_RECEIPT = DriverStatement(insert(Receipt.__table__), serialized=("body",))
 _INSERT_CITATION = DriverStatement(insert(ReceiptCitation.__table__))
 
 

@@ -14,6 +14,7 @@ from sqlalchemy.exc import IntegrityError, OperationalError
 from provenance import audit_log
 from provenance.db import get_engine, is_transient, session_scope
 from provenance.driver_sql import DriverStatement
+from provenance.hashing import canonical_json
 from provenance.memory import CitedChunk
 from provenance.migrate import ensure_schema
 from provenance.models import AuditHead, AuditLeaf, Receipt, ReceiptCitation, ReceiptRow
@@ -70,6 +71,22 @@ def test_rows_written_on_the_driver_read_back_as_rows_written_by_core(url):
                 assert getattr(driver, column.key) == getattr(core, column.key), column.key
         assert driver.body == receipt_row("x", at)["body"]
         assert driver.created_at.replace(tzinfo=driver.created_at.tzinfo or UTC) == at
+
+
+def test_a_serialized_bind_is_stored_as_given_and_its_json_reads_back_as_the_dict(url):
+    """The hot path hands a receipt's body over as its canonical JSON, the bytes its audit leaf
+    hashes: stored as that text, it reads back as the dict whose canonical JSON it is, so the
+    audit check recomputes the leaf's hash from the row."""
+    at = datetime.now(UTC)
+    body = receipt_row("x", at)["body"]
+    body_json = canonical_json(body).decode()
+    statement = DriverStatement(insert(RECEIPTS), serialized=("body",))
+    with committer(url) as database, database.transaction() as connection:
+        statement.execute(connection, {**receipt_row("rcpt_serialized", at), "body": body_json})
+    with session_scope(url) as session:
+        stored = session.get(Receipt, "rcpt_serialized").body
+    assert stored == body
+    assert canonical_json(stored).decode() == body_json
 
 
 def test_returning_rows_come_back_through_the_column_types(url):
