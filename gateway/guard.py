@@ -14,7 +14,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from gateway.auth import AuthError, Principal, authenticate
 from gateway.errors import APIError, auth_error, database_error
-from provenance.db import session_scope
+from provenance.db import get_engine
 from provenance.settings import Settings
 
 # Routes that need an API key; the rest (health, metrics, docs, the review page) do not.
@@ -83,8 +83,9 @@ class RequestGuard:
         await self.app(scope, counting(receive, limit), send)
 
     def principal(self, secret: str | None) -> Principal:
-        with session_scope(self.settings.sqlalchemy_url) as session:
-            return authenticate(session, secret)
+        # A plain connection, not a Session: no unit of work to set up and commit for one read.
+        with get_engine(self.settings.sqlalchemy_url).connect() as connection:
+            return authenticate(connection, secret)
 
 
 def counting(receive: Receive, limit: int) -> Receive:

@@ -14,9 +14,11 @@ from api_support import api  # noqa: F401  (fixture)
 from conftest import REDIS_URL, requires_redis
 from sqlalchemy import func, select
 
+from gateway.auth import revoke_key
 from gateway.quotas import quotas_for
 from provenance.db import session_scope
-from provenance.models import Upload
+from provenance.hashing import blake3_hex
+from provenance.models import ApiKey, Upload
 
 pytestmark = pytest.mark.slow
 
@@ -276,6 +278,20 @@ def test_the_key_is_checked_before_any_body_is_read(api):
     response = api.client.post("/v1/chat/completions", content=b"{not json",
                                headers={"Content-Type": "application/json"})
     assert response.status_code == 401  # not a 400 that tells a stranger about the body
+
+
+def test_a_revoked_key_is_refused_from_its_next_request(api):
+    """Keys are read on every request, not cached: revocation takes effect at once."""
+    secret = api.key("globex", "chat")
+    assert api.client.get("/v1/models", headers=api.auth("globex", "chat")).status_code == 200
+    with session_scope(api.settings.sqlalchemy_url, write=True) as session:
+        assert revoke_key(session, session.scalar(select(ApiKey.id).where(
+            ApiKey.key_hash == blake3_hex(secret))))
+    for call in (lambda h: api.client.get("/v1/models", headers=h),
+                 lambda h: api.client.post("/v1/chat/completions", json=ask("hi"), headers=h)):
+        response = call(api.auth("globex", "chat"))
+        assert response.status_code == 401 and error_of(response)["message"] == "invalid API key"
+    del api.keys["globex", ("chat",)]  # later tests get a fresh key
 
 
 # -- caches never cross tenants --------------------------------------------------------------
