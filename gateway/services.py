@@ -11,6 +11,7 @@ from typing import Any
 import numpy as np
 from opentelemetry import trace
 from prometheus_client import CollectorRegistry
+from sqlalchemy import Connection
 from sqlalchemy.orm import Session
 
 from engine.config import EngineConfig
@@ -163,7 +164,7 @@ class Services:
 
     def prepare(
         self,
-        session: Session,
+        session: Session | Connection,
         tenant_id: str,
         messages: list[dict[str, str]],
         use_retrieval: bool,

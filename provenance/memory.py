@@ -15,7 +15,7 @@ from threading import Lock
 from typing import Any, NamedTuple, Protocol
 
 import numpy as np
-from sqlalchemy import bindparam, select
+from sqlalchemy import Connection, bindparam, select
 from sqlalchemy.orm import Session
 
 from provenance.driver_sql import DriverStatement
@@ -145,7 +145,7 @@ class Retrieval:
 
 
 def retrieve(
-    session: Session,
+    session: Session | Connection,
     embedder: QueryEmbedder,
     index: VectorSearch,
     query: str,
@@ -179,7 +179,7 @@ def retrieve(
 
 
 def visible_chunks(
-    session: Session, tenant_id: str, epoch: int, chunk_ids: list[str]
+    session: Session | Connection, tenant_id: str, epoch: int, chunk_ids: list[str]
 ) -> list[VisibleChunk]:
     """The chunks among ``chunk_ids`` whose version SQL shows as visible at ``epoch``, each with
     its version's title. On every request's path: run on the driver's cursor
@@ -206,7 +206,7 @@ class VisibilityCache:
         self._lock = Lock()
 
     def visible_chunks(
-        self, session: Session, tenant_id: str, epoch: int, chunk_ids: list[str]
+        self, session: Session | Connection, tenant_id: str, epoch: int, chunk_ids: list[str]
     ) -> list[VisibleChunk]:
         """As ``visible_chunks``, asking SQL only about the ids not known yet."""
         known: dict[str, VisibleChunk | None] = {}

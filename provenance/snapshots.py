@@ -8,7 +8,7 @@ from collections.abc import Iterable, Sequence
 from datetime import datetime
 from typing import Any
 
-from sqlalchemy import ColumnElement, Select, func, select
+from sqlalchemy import ColumnElement, Connection, Select, func, select
 from sqlalchemy.orm import Session
 
 from provenance.db import in_batches
@@ -42,7 +42,7 @@ def chunk_points() -> Select[Any]:
     ).join(SourceVersion, CHUNK_VERSION)
 
 
-def current_epoch(session: Session, tenant_id: str) -> int:
+def current_epoch(session: Session | Connection, tenant_id: str) -> int:
     """The tenant's last committed epoch (0: before its first commit)."""
     query = select(func.coalesce(func.max(Epoch.epoch), 0)).where(Epoch.tenant_id == tenant_id)
     return session.scalar(query) or 0

@@ -18,7 +18,7 @@ from gateway.generation import (
 )
 from gateway.schemas import ChatCompletionRequest, ModelCard, ModelList
 from gateway.services import PreparedPrompt, Services
-from provenance.db import session_scope
+from provenance.db import get_engine
 from provenance.memory import UnknownSnapshot
 
 router = APIRouter(tags=["chat"])
@@ -42,10 +42,12 @@ def prepare(
     services: Services, principal: Principal, body: ChatCompletionRequest
 ) -> PreparedPrompt:
     messages = [m.model_dump(exclude_none=True) for m in body.messages]
-    with session_scope(services.settings.sqlalchemy_url) as session:
+    # A plain connection, not a Session: the snapshot and the visibility check read in its one
+    # transaction, with no unit of work to set up and commit around them.
+    with get_engine(services.settings.sqlalchemy_url).connect() as connection:
         try:
             return services.prepare(
-                session,
+                connection,
                 principal.tenant_id,
                 messages,
                 body.inherent.retrieval,
