@@ -8,8 +8,8 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from sqlalchemy import text
 
-from gateway.auth import AuthError, authenticate, require
-from provenance.db import get_engine, session_scope
+from gateway.auth import AuthError, check_key, require
+from provenance.db import get_engine
 
 router = APIRouter(tags=["health"])
 
@@ -67,6 +67,5 @@ def metrics(request: Request) -> Response:
         if not compare_digest(secret.encode(), settings.metrics_token.encode()):
             raise AuthError("/metrics needs the metrics token: send 'Authorization: Bearer <token>'")
     else:
-        with session_scope(settings.sqlalchemy_url) as session:
-            require(authenticate(session, secret), "audit")
+        require(check_key(settings.sqlalchemy_url, secret), "audit")
     return Response(generate_latest(request.app.state.registry), media_type=CONTENT_TYPE_LATEST)
