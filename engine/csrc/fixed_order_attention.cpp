@@ -85,8 +85,8 @@ struct Token {
 // shuffled blocks, 2 Zen 4 cores (AMD EPYC family 25 model 17), medians of 40 alternated in
 // one process: 9.3-10.7 ms against 11.0-11.5 on 4 KB pages, 8.8-9.3 against 10.5-10.8 on 2 MB
 // pages; 64 decodes 41.9 against 46.9 ms; unchanged: 16 decodes beside a 176-token prompt
-// chunk (compute-bound), and the AVX2 path's 16 decodes (the same, 11.8 ms). Which keys are
-// asked for never changes a bit of the result.
+// chunk (compute-bound), the AVX2 path's 16 decodes (11.8 ms), one or two decodes (nothing to
+// take ahead). Which keys are asked for never changes a bit of the result.
 template <typename T>
 struct Upcoming {
   std::vector<const T*> slots;  // of its keys 0..n-1, for the KV heads it computes
