@@ -473,15 +473,13 @@ torch::Tensor paged_attention(torch::Tensor q, torch::Tensor cache, torch::Tenso
     std::vector<Token<float>> tokens32;
     std::vector<Token<uint16_t>> tokens16;
     std::vector<float> scores, scratch;
-    Upcoming<float> up32;
-    Upcoming<uint16_t> up16;
+    Upcoming<float> up32{{}, 0, item_bytes, L.v_offset};
+    Upcoming<uint16_t> up16{{}, 0, item_bytes, L.v_offset};
     const auto upcoming = [&](int64_t i, auto& up) {
       up.next = 0;
       up.slots.clear();
       if (i >= items) return;
       const int64_t r = order[i] / parts;
-      up.bytes = item_bytes;
-      up.v_offset = L.v_offset;
       up.slots.resize(pos_of[run_at[r + 1] - 1] + 1);  // the run's last token's keys serve all
       key_slots(L, L.tables + seq_of[run_at[r]] * L.max_blocks, up.slots.size(),
                 order[i] % parts * kv_count * head_dim, up.slots.data());
