@@ -81,18 +81,22 @@ struct Token {
 // idle, where one core's outstanding misses, not the memory, bound how fast a lone token's
 // scattered blocks arrive (one thread streamed 8.9 GB/s of them, two 15.6, where a sequential
 // read ran at 35). One slot every kUpcomingEvery keys summed: one a key asked for 12 lines a
-// few cycles apart and gained less. 16 decodes at 450-513 over 30 layers' bf16 caches on
-// shuffled blocks, 2 Zen 4 cores (AMD EPYC family 25 model 17), medians of 40 alternated in
+// few cycles apart and gained less (AVX-512: every key or 8 slower than 4, 2 about the same;
+// AVX2: 4 as slow as none, 16 and 32 faster). 16 decodes at 450-513 over 30 layers' bf16 caches
+// on shuffled blocks, 2 Zen 4 cores (AMD EPYC family 25 model 17), medians of 40 alternated in
 // one process: 9.3-10.7 ms against 11.0-11.5 on 4 KB pages, 8.8-9.3 against 10.5-10.8 on 2 MB
-// pages; 64 decodes 41.9 against 46.9 ms; unchanged: 16 decodes beside a 176-token prompt
-// chunk (compute-bound), the AVX2 path's 16 decodes (11.8 ms), one or two decodes (nothing to
-// take ahead). Which keys are asked for never changes a bit of the result.
+// pages; 64 decodes 41.9 against 46.9 ms; the AVX2 path there 10.8-11.2 against 11.6-12.4, 64
+// decodes 46.5 against 48.3; unchanged: 16 decodes beside a 176-token prompt chunk
+// (compute-bound), one or two decodes (nothing to take ahead). Which keys are asked for never
+// changes a bit of the result.
 template <typename T>
 struct Upcoming {
   std::vector<const T*> slots;  // of its keys 0..n-1, for the KV heads it computes
   int64_t next = 0, bytes = 0, v_offset = 0;
 };
-constexpr int64_t kUpcomingEvery = 4;
+// AVX2 sums V in four times as many passes over the keys (fewer heads and dimensions a pass).
+template <class V>
+constexpr int64_t kUpcomingEvery = V::W == 16 ? 4 : 32;
 
 // ---- Portable implementation ---------------------------------------------------------------
 
@@ -196,7 +200,7 @@ void values(const Token<T>& t, int64_t first, int64_t v_offset, int64_t d0, int6
       acc[h][c] = j0 == 0 ? V::zero() : V::load(t.out + (first + h) * t.D + d0 + V::W * c);
   const float* w = t.scores + first * t.padded;
   for (int64_t j = j0; j < j1; ++j) {
-    if (j % kUpcomingEvery == 0 && up.next < static_cast<int64_t>(up.slots.size()))
+    if (j % kUpcomingEvery<V> == 0 && up.next < static_cast<int64_t>(up.slots.size()))
       prefetch_slot(up.slots[up.next++], up.v_offset, up.bytes);
     const T* v = t.keys[j] + v_offset + d0;
     F vj[kValueRegs];
