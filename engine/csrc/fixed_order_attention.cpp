@@ -93,6 +93,7 @@ template <typename T>
 struct Upcoming {
   std::vector<const T*> slots;  // of its keys 0..n-1, for the KV heads it computes
   int64_t next = 0, bytes = 0, v_offset = 0;
+  int64_t item = -1;  // whose slots they are (-1: none); computing it takes them as its keys
 };
 // AVX2 sums V in four times as many passes over the keys (fewer heads and dimensions a pass).
 template <class V>
@@ -359,13 +360,17 @@ template <typename T>
 void attend(const Layout& L, const float* q, int64_t q_stride, float* out, int64_t count,
             const int32_t* table, int64_t position, Heads h, int64_t D, float scale,
             Path path, std::vector<const T*>& keys, std::vector<Token<T>>& tokens,
-            std::vector<float>& scores, std::vector<float>& scratch, Upcoming<T>& up) {
+            std::vector<float>& scores, std::vector<float>& scratch, Upcoming<T>& up,
+            bool keys_known) {
   const auto pad = [](int64_t n) { return (n + kLanes - 1) / kLanes * kLanes; };
   const int64_t n = position + count, padded = pad(n);  // the last token's
   const int64_t heads = h.kv_count * h.group, first_head = h.kv_first * h.group;
   const int64_t out_stride = L.kv_heads * h.group * D;
+  if (!keys_known) {  // else keys 0..n - 1 hold them already
+    keys.resize(n);
+    key_slots(L, table, n, h.kv_first * D, keys.data());
+  }
   keys.resize(padded);
-  key_slots(L, table, n, h.kv_first * D, keys.data());
   std::fill(keys.begin() + n, keys.end(), keys[n - 1]);
   scores.resize(count * heads * padded);
   tokens.clear();
@@ -479,31 +484,29 @@ torch::Tensor paged_attention(torch::Tensor q, torch::Tensor cache, torch::Tenso
     std::vector<float> scores, scratch;
     Upcoming<float> up32{{}, 0, item_bytes, L.v_offset};
     Upcoming<uint16_t> up16{{}, 0, item_bytes, L.v_offset};
-    const auto upcoming = [&](int64_t i, auto& up) {
-      up.next = 0;
-      up.slots.clear();
-      if (i >= items) return;
-      const int64_t r = order[i] / parts;
-      up.slots.resize(pos_of[run_at[r + 1] - 1] + 1);  // the run's last token's keys serve all
-      key_slots(L, L.tables + seq_of[run_at[r]] * L.max_blocks, up.slots.size(),
-                order[i] % parts * kv_count * head_dim, up.slots.data());
-    };
-    for (int64_t i = take(); i < items;) {
+    // Item i, then the slots of `following` asked for while it runs.
+    const auto compute = [&](int64_t i, int64_t following, auto& keys, auto& tokens, auto& up) {
       const int64_t r = order[i] / parts, t = run_at[r], count = run_at[r + 1] - t;
       const Heads h{order[i] % parts * kv_count, kv_count, group};
-      const int64_t following = ahead ? take() : items;
-      const float* qt = q_data + t * q_stride;
-      float* o = out_data + t * heads * head_dim;
       const int32_t* table = L.tables + seq_of[t] * L.max_blocks;
-      if (bf16) {
-        upcoming(following, up16);
-        attend(L, qt, q_stride, o, count, table, pos_of[t], h, head_dim, fscale, path, keys16,
-               tokens16, scores, scratch, up16);
-      } else {
-        upcoming(following, up32);
-        attend(L, qt, q_stride, o, count, table, pos_of[t], h, head_dim, fscale, path, keys32,
-               tokens32, scores, scratch, up32);
+      const bool known = up.item == i;  // found for the prefetch while the item before ran
+      if (known) std::swap(keys, up.slots);
+      up.item = following < items ? following : -1;
+      up.next = 0;
+      up.slots.clear();
+      if (following < items) {
+        const int64_t r2 = order[following] / parts;
+        up.slots.resize(pos_of[run_at[r2 + 1] - 1] + 1);  // the run's last token's keys serve all
+        key_slots(L, L.tables + seq_of[run_at[r2]] * L.max_blocks, up.slots.size(),
+                  order[following] % parts * kv_count * head_dim, up.slots.data());
       }
+      attend(L, q_data + t * q_stride, q_stride, out_data + t * heads * head_dim, count, table,
+             pos_of[t], h, head_dim, fscale, path, keys, tokens, scores, scratch, up, known);
+    };
+    for (int64_t i = take(); i < items;) {
+      const int64_t following = ahead ? take() : items;
+      if (bf16) compute(i, following, keys16, tokens16, up16);
+      else compute(i, following, keys32, tokens32, up32);
       i = ahead ? following : take();
     }
   });
