@@ -80,24 +80,35 @@ struct Token {
 // sums V: that pass reads V from L2 (the scores' pass asked for it), and the memory would sit
 // idle, where one core's outstanding misses, not the memory, bound how fast a lone token's
 // scattered blocks arrive (one thread streamed 8.9 GB/s of them, two 15.6, where a sequential
-// read ran at 35). One slot every kUpcomingEvery keys summed: one a key asked for 12 lines a
-// few cycles apart and gained less (AVX-512: every key or 8 slower than 4, 2 about the same;
-// AVX2: 4 as slow as none, 16 and 32 faster). 16 decodes at 450-513 over 30 layers' bf16 caches
-// on shuffled blocks, 2 Zen 4 cores (AMD EPYC family 25 model 17), medians of 40 alternated in
-// one process: 9.3-10.7 ms against 11.0-11.5 on 4 KB pages, 8.8-9.3 against 10.5-10.8 on 2 MB
-// pages; 64 decodes 41.9 against 46.9 ms; the AVX2 path there 10.8-11.2 against 11.6-12.4, 64
-// decodes 46.5 against 48.3; unchanged: 16 decodes beside a 176-token prompt chunk
-// (compute-bound), one or two decodes (nothing to take ahead). Which keys are asked for never
-// changes a bit of the result.
+// read ran at 35). One slot every `every` keys summed (upcoming_every). 16 decodes at 450-513
+// over 30 layers' bf16 caches on shuffled blocks, 2 Zen 4 cores (AMD EPYC family 25 model 17),
+// medians of 40 alternated in one process: 9.3-10.7 ms against 11.0-11.5 on 4 KB pages, 8.8-9.3
+// against 10.5-10.8 on 2 MB pages; 64 decodes 41.9 against 46.9 ms; the AVX2 path there
+// 10.8-11.2 against 11.6-12.4, 64 decodes 46.5 against 48.3; unchanged: 16 decodes beside a
+// 176-token prompt chunk (compute-bound), one or two decodes (nothing to take ahead). Which
+// keys are asked for never changes a bit of the result.
 template <typename T>
 struct Upcoming {
   std::vector<const T*> slots;  // of its keys 0..n-1, for the KV heads it computes
   int64_t next = 0, bytes = 0, v_offset = 0;
   int64_t item = -1;  // whose slots they are (-1: none); computing it takes them as its keys
+  int64_t every_mask = 0;  // a slot is asked for at keys j with (j & every_mask) == 0
 };
-// AVX2 sums V in four times as many passes over the keys (fewer heads and dimensions a pass).
-template <class V>
-constexpr int64_t kUpcomingEvery = V::W == 16 ? 4 : 32;
+
+// Keys summed per slot asked for, a power of two. AMD's cores take many: on Zen 4 one a key
+// (12 lines a few cycles apart) or one every 8 gained less than one every 4 (2 about the
+// same); AVX2 sums V in four times as many passes over the keys (fewer heads and dimensions a
+// pass), and asks one every 32 (every 4 as slow as none there, 16 and 32 faster). Intel's
+// prefetches into L2 hold one of L1's fill buffers until their line arrives, and the V pass
+// stalled on them (a profile of `bench.engine_throughput`: a third of its samples on the
+// prefetch loop). On 2 Xeon cores (family 6 model 167), 16 decodes as above against none in
+// the same alternation: every 4 2.7-5.4 % slower, 8 1.1 % slower, 16 0.7-2.8 % faster, 32
+// 0.5-2.7 % faster, 64 1.9 % faster, 128 1.1 % slower (none 15.2-15.7 ms); 64 decodes 58.4 ms
+// at 32, 59.9 with none, 61.9 at 4. Its AVX2 path measured within 2 % of none at 32 to 128.
+inline int64_t upcoming_every(Path path) {
+  static const bool intel = __builtin_cpu_is("intel");
+  return path == Path::kAvx512 && !intel ? 4 : 32;
+}
 
 // ---- Portable implementation ---------------------------------------------------------------
 
@@ -201,7 +212,7 @@ void values(const Token<T>& t, int64_t first, int64_t v_offset, int64_t d0, int6
       acc[h][c] = j0 == 0 ? V::zero() : V::load(t.out + (first + h) * t.D + d0 + V::W * c);
   const float* w = t.scores + first * t.padded;
   for (int64_t j = j0; j < j1; ++j) {
-    if (j % kUpcomingEvery<V> == 0 && up.next < static_cast<int64_t>(up.slots.size()))
+    if ((j & up.every_mask) == 0 && up.next < static_cast<int64_t>(up.slots.size()))
       prefetch_slot(up.slots[up.next++], up.v_offset, up.bytes);
     const T* v = t.keys[j] + v_offset + d0;
     F vj[kValueRegs];
@@ -482,8 +493,9 @@ torch::Tensor paged_attention(torch::Tensor q, torch::Tensor cache, torch::Tenso
     std::vector<Token<float>> tokens32;
     std::vector<Token<uint16_t>> tokens16;
     std::vector<float> scores, scratch;
-    Upcoming<float> up32{{}, 0, item_bytes, L.v_offset};
-    Upcoming<uint16_t> up16{{}, 0, item_bytes, L.v_offset};
+    const int64_t every_mask = upcoming_every(path) - 1;
+    Upcoming<float> up32{{}, 0, item_bytes, L.v_offset, -1, every_mask};
+    Upcoming<uint16_t> up16{{}, 0, item_bytes, L.v_offset, -1, every_mask};
     // Item i, then the slots of `following` asked for while it runs.
     const auto compute = [&](int64_t i, int64_t following, auto& keys, auto& tokens, auto& up) {
       const int64_t r = order[i] / parts, t = run_at[r], count = run_at[r + 1] - t;
