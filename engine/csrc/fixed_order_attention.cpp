@@ -484,6 +484,7 @@ torch::Tensor paged_attention(torch::Tensor q, torch::Tensor cache, torch::Tenso
                    [&](int64_t a, int64_t b) { return cost[a / parts] > cost[b / parts]; });
   const int64_t items = static_cast<int64_t>(order.size()), group = heads / L.kv_heads;
   const int64_t item_bytes = kv_count * head_dim * cache.element_size();  // of a slot's K
+  const int64_t every_mask = upcoming_every(path) - 1;
   std::atomic<int64_t> next{0};
   const auto take = [&] { return next.fetch_add(1, std::memory_order_relaxed); };
   const int64_t workers = std::max<int64_t>(1, std::min<int64_t>(threads, items));
@@ -497,7 +498,6 @@ torch::Tensor paged_attention(torch::Tensor q, torch::Tensor cache, torch::Tenso
     std::vector<Token<float>> tokens32;
     std::vector<Token<uint16_t>> tokens16;
     std::vector<float> scores, scratch;
-    const int64_t every_mask = upcoming_every(path) - 1;
     Upcoming<float> up32{{}, 0, item_bytes, L.v_offset, -1, every_mask};
     Upcoming<uint16_t> up16{{}, 0, item_bytes, L.v_offset, -1, every_mask};
     // Item i, then the slots of `following` asked for while it runs.
