@@ -2,6 +2,7 @@
 
 import threading
 from datetime import UTC, datetime, timedelta, timezone
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -17,6 +18,7 @@ from provenance.models import (
     SourceVersion,
 )
 from provenance.truth import content_hash
+from provenance.vector_index import IndexHit
 from tests.ingest_support import (
     BACKENDS,
     draft,
@@ -296,6 +298,65 @@ def test_the_visibility_cache_answers_as_sql_did_and_asks_only_about_new_ids(
         assert [row.id for row in cache.visible_chunks(s, "acme", 1, ours)] == ours
         assert asked == [ids, ids, ours]
         assert [row.id for row in cache.visible_chunks(s, "beta", 1, [theirs, ours[0]])] == [theirs]
+
+
+class ListedIndex:
+    """An index that returns the best ``limit`` of fixed hits, as a real one orders them."""
+
+    def __init__(self, hits: list[IndexHit]):
+        self.hits, self.limits = sorted(hits, key=lambda h: h.order_key), []
+
+    def search(self, tenant_id, vector, snapshot_epoch, limit):
+        self.limits.append(limit)
+        return self.hits[:limit]
+
+
+class ListedVisibility:
+    """SQL's answer for every id but ``hidden``; records the ids each look-up asked about."""
+
+    def __init__(self, hidden: set[str]):
+        self.hidden, self.asked = hidden, []
+
+    def visible_chunks(self, session, tenant_id, epoch, chunk_ids):
+        self.asked.append(list(chunk_ids))
+        return [
+            memory.VisibleChunk(i, tenant_id, "doc", 1, 0, i, f"hash-{i}", 0, 1, "Doc")
+            for i in chunk_ids if i not in self.hidden
+        ]
+
+
+def listed_retrieve(hits, hidden, top_k, min_score=-1.0):
+    index, visibility = ListedIndex(hits), ListedVisibility(hidden)
+    found = memory.retrieve(None, SimpleNamespace(model_id="m"), index, "q", "acme", 1, top_k,
+                            np.zeros(2, np.float32), min_score, visibility)
+    return [c.chunk_id for c in found.chunks], index.limits, visibility.asked
+
+
+def test_retrieval_reads_one_hit_past_the_cut_and_widens_past_hits_sql_hides():
+    hits = [
+        IndexHit(f"c{i:02d}", 0.9 - i / 100, f"hash-c{i:02d}", 1, OPEN_EPOCH) for i in range(30)
+    ]
+    # The common case: top_k + 1 hits read, as many ids looked up.
+    chunks, limits, asked = listed_retrieve(hits, set(), 4)
+    assert (chunks, limits, [len(a) for a in asked]) == (["c00", "c01", "c02", "c03"], [5], [5])
+    # An index behind SQL shows ten hits SQL has hidden: still four chunks, the next best.
+    hidden = {f"c{i:02d}" for i in range(10)}
+    chunks, limits, _ = listed_retrieve(hits, hidden, 4)
+    assert (chunks, limits) == (["c10", "c11", "c12", "c13"], [5, 10, 20])
+    # Fewer chunks than asked where the index runs out, or the similarity floor cuts it.
+    assert listed_retrieve(hits[:3], set(), 4)[:2] == (["c00", "c01", "c02"], [5])
+    assert listed_retrieve(hits, set(), 4, min_score=0.885)[:2] == (["c00", "c01"], [5])
+
+
+def test_retrieval_breaks_a_tie_of_rounded_scores_at_the_cut_by_chunk_hash():
+    """Three scores that differ below the sixth decimal rank as one: the chunk hash orders them,
+    whichever the index put first, so the search goes on past the hit after the cut."""
+    tied = [IndexHit(c, s, f"hash-{c}", 1, OPEN_EPOCH)
+            for c, s in [("b", 0.9000002), ("c", 0.9000001), ("a", 0.9000000)]]
+    below = IndexHit("d", 0.5, "hash-d", 1, OPEN_EPOCH)
+    chunks, limits, _ = listed_retrieve([*tied, below], set(), 1)
+    assert (chunks, limits) == (["a"], [2, 4])
+
 
 def retrieve(sessions, index, query, epoch=None, top_k=10):
     with sessions() as s:
