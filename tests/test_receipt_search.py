@@ -5,7 +5,7 @@ import json
 from datetime import UTC, datetime, timedelta
 
 import pytest
-from sqlalchemy import update
+from sqlalchemy import insert, text, update
 from typer.testing import CliRunner
 
 from gateway.cli import app
@@ -178,3 +178,46 @@ def test_cli_verify_bundle_exit_codes(sqlite_url, tmp_path):
     missing = runner.invoke(app, ["audit", "verify-bundle", str(tmp_path / "nope.json")])
     assert missing.exit_code == 1 and "cannot read" in missing.stderr
     assert "Traceback" not in failed.output + missing.output
+
+
+def test_a_page_costs_the_same_however_many_receipts_there_are(sqlite_url):
+    """A page of a tenant's receipts reads that page's rows: the database does the same work
+    whether the store holds a hundred receipts or ten times as many, the tenant's own or other
+    tenants', with or without the planner's statistics (SQLite's virtual machine steps)."""
+    seed(sqlite_url)
+
+    def write(tenant: str, count: int, start: int) -> None:
+        with session_scope(sqlite_url, write=True) as session:
+            session.execute(insert(Receipt), [
+                {"id": f"{tenant}-{i}", "tenant_id": tenant, "status": "ok", "snapshot_epoch": 1,
+                 "model_id": "m", "weights_hash": "w", "prompt_hash": "p", "output_hash": "o",
+                 "body": {}, "created_at": T0 + timedelta(days=1, seconds=i)}
+                for i in range(start, start + count)
+            ])
+
+    def steps_for_a_page(query: ReceiptQuery) -> int:
+        steps = [0]
+        with session_scope(sqlite_url) as session:
+            driver = session.connection().connection.driver_connection
+
+            def count() -> int:
+                steps[0] += 1
+                return 0
+
+            driver.set_progress_handler(count, 1)
+            try:
+                assert len(list_receipts(session, "acme", query, 2)) == 2
+            finally:
+                driver.set_progress_handler(None, 1)
+        return steps[0]
+
+    queries = [ReceiptQuery(), ReceiptQuery(status="ok")]
+    write("acme", 50, 0)
+    write("globex", 50, 0)
+    before = [steps_for_a_page(query) for query in queries]
+    write("acme", 450, 50)
+    write("globex", 450, 50)
+    assert [steps_for_a_page(query) for query in queries] == before
+    with session_scope(sqlite_url, write=True) as session:
+        session.execute(text("ANALYZE"))
+    assert [steps_for_a_page(query) for query in queries] == before
