@@ -9,6 +9,7 @@ racing the migration job, apply each revision once.
 """
 
 import fcntl
+import time
 import zlib
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -26,6 +27,9 @@ from provenance.settings import Settings
 MIGRATIONS_DIR = Path(__file__).resolve().parents[1] / "migrations"
 # The PostgreSQL advisory lock every migrating process takes: one 64-bit key for this project.
 ADVISORY_LOCK_KEY = zlib.crc32(b"inherent schema migrations")
+LOCK = text("SELECT pg_try_advisory_lock(:key)")
+UNLOCK = text("SELECT pg_advisory_unlock(:key)")
+LOCK_POLL_S = 0.2
 
 
 class SchemaMismatch(RuntimeError):
@@ -49,19 +53,23 @@ def alembic_config(url: str) -> Config:
 @contextmanager
 def schema_lock(url: str) -> Iterator[None]:
     """Hold the migration lock: a session-level advisory lock on PostgreSQL, an exclusive
-    ``flock`` on a file beside the SQLite database. Waits while another process holds it."""
+    ``flock`` on a file beside the SQLite database. Waits while another process holds it.
+
+    On PostgreSQL the lock is tried, not waited for in a statement: a statement blocked on it
+    holds a snapshot, and CREATE INDEX CONCURRENTLY (a migration's) waits for every older
+    snapshot to end, so the migrating process would wait on its waiters while they wait on it."""
     parsed = make_url(url)
     if parsed.get_backend_name() == "postgresql":
-        with get_engine(url).connect() as connection:
-            connection.execute(text("SELECT pg_advisory_lock(:key)"), {"key": ADVISORY_LOCK_KEY})
-            connection.commit()  # the lock belongs to the session, not to a transaction
+        connection = get_engine(url).connect().execution_options(isolation_level="AUTOCOMMIT")
+        try:
+            while not connection.scalar(LOCK, {"key": ADVISORY_LOCK_KEY}):
+                time.sleep(LOCK_POLL_S)
             try:
                 yield
             finally:
-                connection.execute(
-                    text("SELECT pg_advisory_unlock(:key)"), {"key": ADVISORY_LOCK_KEY}
-                )
-                connection.commit()
+                connection.execute(UNLOCK, {"key": ADVISORY_LOCK_KEY})
+        finally:
+            connection.close()
         return
     database = parsed.database
     if not database or database == ":memory:":

@@ -204,3 +204,24 @@ def test_the_worker_refuses_to_start_on_a_schema_behind(pg_url, monkeypatch):
             celery_app._check_schema()
     finally:
         get_settings.cache_clear()
+
+
+@pytest.mark.integration
+def test_a_receipts_index_build_cut_short_is_replaced_by_the_rerun(pg_url):
+    """CREATE INDEX CONCURRENTLY (no write waits for it) leaves an invalid index of its name
+    when cut short; the migration run again drops it and builds a valid one."""
+    migrate.upgrade(pg_url, "0005_uploads")
+    engine = get_engine(pg_url)
+    with engine.begin() as connection:  # what a cut build leaves: the name, on other terms
+        connection.execute(sa.text("CREATE INDEX ix_receipts_tenant_created ON receipts (status)"))
+        connection.execute(sa.text(
+            "UPDATE pg_index SET indisvalid = false "
+            "WHERE indexrelid = 'ix_receipts_tenant_created'::regclass"
+        ))
+    migrate.upgrade(pg_url)
+    indexes = {i["name"]: i["column_names"] for i in inspect(engine).get_indexes("receipts")}
+    assert indexes == {"ix_receipts_tenant_created": ["tenant_id", "created_at", "id"]}
+    with engine.connect() as connection:
+        assert connection.scalar(sa.text(
+            "SELECT indisvalid FROM pg_index WHERE indexrelid = 'ix_receipts_tenant_created'::regclass"
+        ))
