@@ -60,16 +60,14 @@ def schema_lock(url: str) -> Iterator[None]:
     snapshot to end, so the migrating process would wait on its waiters while they wait on it."""
     parsed = make_url(url)
     if parsed.get_backend_name() == "postgresql":
-        connection = get_engine(url).connect().execution_options(isolation_level="AUTOCOMMIT")
-        try:
+        with get_engine(url).connect() as connection:
+            connection.execution_options(isolation_level="AUTOCOMMIT")
             while not connection.scalar(LOCK, {"key": ADVISORY_LOCK_KEY}):
                 time.sleep(LOCK_POLL_S)
             try:
                 yield
             finally:
                 connection.execute(UNLOCK, {"key": ADVISORY_LOCK_KEY})
-        finally:
-            connection.close()
         return
     database = parsed.database
     if not database or database == ":memory:":
