@@ -62,6 +62,10 @@ class Settings(BaseSettings):
     shutdown_grace_s: float = Field(30.0, ge=0)
     # Seconds between catch-ups of a process's embedded vector index with the truth layer.
     index_sync_interval_s: float = Field(1.0, gt=0)
+    # Threads of the embedded index's search pool (one reads each segment). One, the default,
+    # searches on the caller's core; more only pay for an index of many segments on cores the
+    # engine leaves free (provenance/vector_index.py, EdgeIndex).
+    index_search_threads: int = Field(1, gt=0)
     # `inherent serve` flags as vllm serve / llama-server name them (each also a setting).
     served_model_name: str = ""  # the model's name in the API; empty: the model's own
     # A bootstrap key for single-tenant use: accepted with every scope for `api_key_tenant`,

@@ -281,22 +281,37 @@ class EdgeIndex(_QdrantIndex):
     originals). Segments carry no HNSW graph (m=0): every search is a full, exact scan, and
     ``optimize`` only turns appendable segments into compact immutable ones.
 
+    Searches run on a pool of ``search_threads`` threads. Qdrant's default, one per CPU, handed
+    every search of the one segment ``optimize`` leaves to another thread and kept its idle
+    threads yielding the CPU in a loop: a search after a 320 MB cache sweep took 0.52 ms with
+    it and 0.34 with one thread, 0.11 against 0.075 ms warm (Zen 4 kind, 372 points).
+
     One process may open a directory at a time; ``open_vector_index`` shares the handle inside
     a process.
     """
 
-    def __init__(self, path: Path | str, dim: int, datatype: str = "float16") -> None:
+    def __init__(
+        self, path: Path | str, dim: int, datatype: str = "float16", search_threads: int = 1
+    ) -> None:
         import qdrant_edge as qe
 
         self._api, self._range_type = qe, qe.RangeFloat
         self.dim = dim
         self.path = Path(path)
+        stored = self.path / "edge_config.json"
+        if stored.exists():
+            # An existing shard keeps the layout it was created with; only the size must match.
+            vectors = json.loads(stored.read_text())["vectors"][""]
+            if vectors["size"] != dim:
+                raise ValueError(
+                    f"the vector index at {self.path} holds {vectors['size']}-dimensional "
+                    f"vectors, but the embedder gives {dim}: use another collection name "
+                    "(INHERENT_COLLECTION)"
+                )
+            datatype = vectors.get("datatype") or "float32"
         storage = {"float16": qe.VectorStorageDatatype.Float16, "float32": None}[datatype]
-        config = qe.EdgeConfig(
-            vectors=qe.EdgeVectorParams(size=dim, distance=qe.Distance.Cosine, datatype=storage),
-            hnsw_config=qe.HnswIndexConfig(m=0, ef_construct=100, full_scan_threshold=10_000),
-            optimizers=qe.EdgeOptimizersConfig(indexing_threshold=1_000),
-            payload_memory=qe.Memory.Cached,
+        vector_params = qe.EdgeVectorParams(
+            size=dim, distance=qe.Distance.Cosine, datatype=storage
         )
         # Every write through this handle (the process's only one, and no other process opens
         # the shard) moves the generation, odd while it applies: a tenant's latest close is
@@ -304,18 +319,21 @@ class EdgeIndex(_QdrantIndex):
         self._generation = 0
         self._write_lock = Lock()
         self._latest_closes: dict[str, tuple[int, int]] = {}  # tenant: (generation, close)
-        stored = self.path / "edge_config.json"
         if stored.exists():
-            # An existing shard keeps the layout it was created with; only the size must match.
-            size = json.loads(stored.read_text())["vectors"][""]["size"]
-            if size != dim:
-                raise ValueError(
-                    f"the vector index at {self.path} holds {size}-dimensional vectors, but the "
-                    f"embedder gives {dim}: use another collection name (INHERENT_COLLECTION)"
-                )
-            self._shard = qe.EdgeShard.load(str(self.path))
+            # What a load leaves unnamed keeps its stored value.
+            self._shard = qe.EdgeShard.load(
+                str(self.path),
+                qe.EdgeConfig(vectors=vector_params, max_search_threads=search_threads),
+            )
         else:
             self.path.mkdir(parents=True, exist_ok=True)
+            config = qe.EdgeConfig(
+                vectors=vector_params,
+                hnsw_config=qe.HnswIndexConfig(m=0, ef_construct=100, full_scan_threshold=10_000),
+                optimizers=qe.EdgeOptimizersConfig(indexing_threshold=1_000),
+                payload_memory=qe.Memory.Cached,
+                max_search_threads=search_threads,
+            )
             self._shard = qe.EdgeShard.create(str(self.path), config)
             for field_name, schema in self._payload_indexes().items():
                 self._update(qe.UpdateOperation.create_field_index(field_name, schema))
@@ -605,7 +623,11 @@ def open_vector_index(settings: Settings, dim: int) -> VectorIndex:
                 client = QdrantClient(url=settings.qdrant_url, api_key=settings.qdrant_api_key)
                 index = QdrantClientIndex(client, settings.collection, dim)
             else:
-                index = EdgeIndex(settings.embedded_index_dir / settings.collection, dim)
+                index = EdgeIndex(
+                    settings.embedded_index_dir / settings.collection,
+                    dim,
+                    search_threads=settings.index_search_threads,
+                )
             _open_indexes[key] = index
         return index
 

@@ -1,5 +1,6 @@
 """Both vector index backends: visibility at a snapshot, exact search, a total order, upkeep."""
 
+import json
 import uuid
 
 import numpy as np
@@ -247,3 +248,30 @@ def test_edge_index_refuses_a_shard_of_another_dimension_and_keeps_its_storage_t
     reopened.upsert([point("a", 1, 0, 1)])
     assert reopened.count() == 1
     reopened.close()
+
+
+def test_edge_index_search_pool_is_set_at_every_open_and_the_layout_kept(tmp_path):
+    path = tmp_path / "edge"
+    points = [point("a", 1, i, 1) for i in range(6)]
+    query = np.random.default_rng(3).standard_normal(DIM).astype(np.float32)
+    created = EdgeIndex(path, DIM, datatype="float32", search_threads=3)
+    created.upsert(points)
+    created.flush()
+    expected = created.search("t", query, 1, 4)
+    created.close()
+
+    def stored() -> dict:
+        return json.loads((path / "edge_config.json").read_text())
+
+    assert stored()["max_search_threads"] == 3
+    reopened = EdgeIndex(path, DIM)  # one search thread; the float32 shard stays float32
+    try:
+        assert stored()["max_search_threads"] == 1
+        assert stored()["vectors"][""] == {"size": DIM, "distance": "Cosine"}
+        assert stored()["hnsw_config"]["m"] == 0
+        assert reopened.search("t", query, 1, 4) == expected
+        assert [h.chunk_id for h in expected] == [
+            p.chunk_id for p in brute_force(points, query, "t", 1)[:4]
+        ]
+    finally:
+        reopened.close()
