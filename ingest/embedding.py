@@ -111,24 +111,28 @@ class TransformersEmbedder:
         the API runs its queries' on the engine thread instead
         (engine.AsyncEngine.run_between_steps), so that one OpenMP team holds the cores."""
         run = run_forward or self._one_at_a_time
-        out = np.zeros((len(texts), self.dim), dtype=np.float32)
         if not texts:
-            return out
+            return np.zeros((0, self.dim), dtype=np.float32)
         lengths = [
             len(ids) for ids in self.tokenizer.encode_batch(list(texts), add_special_tokens=False)
         ]
         order = sorted(range(len(texts)), key=lambda i: (lengths[i], i))
+        batches = []
         for start in range(0, len(order), self.batch_size):
-            rows = order[start : start + self.batch_size]
             batch = self.hf_tokenizer(
-                [texts[i] for i in rows],
+                [texts[i] for i in order[start : start + self.batch_size]],
                 padding=True,
                 truncation=True,
                 max_length=self.max_seq_length,
                 return_tensors="pt",
             )
             # Per batch: a query never waits for a whole ingestion.
-            out[rows] = run(partial(self._embed_batch, batch))
+            batches.append(run(partial(self._embed_batch, batch)))
+        by_length = np.concatenate(batches) if len(batches) > 1 else batches[0]
+        if order == list(range(len(texts))):  # a query's one text: the scatter took 0.05 ms
+            return by_length                  # with cold caches, Zen 4 kind
+        out = np.empty_like(by_length)
+        out[order] = by_length
         return out
 
     def _one_at_a_time(self, forward: Callable[[], T]) -> T:

@@ -115,6 +115,14 @@ def test_the_embedder_is_deterministic_normalized_and_semantic(minilm):
     assert minilm.embed([]).shape == (0, 384)
 
 
+def test_embeddings_come_back_in_the_callers_order_across_batches(minilm, monkeypatch):
+    """Texts are embedded shortest first, in batches; each row is still its own text's."""
+    texts = ["a much longer sentence about quarterly revenue and costs", "short", "mid length text"]
+    alone = np.stack([minilm.embed([text])[0] for text in texts])
+    monkeypatch.setattr(minilm, "batch_size", 2)
+    np.testing.assert_allclose(minilm.embed(texts), alone, atol=1e-5)
+
+
 def test_concurrent_embeddings_run_one_forward_at_a_time(minilm, monkeypatch):
     """Each API request embeds its query on its own thread; parallel forwards would each start
     an OpenMP team on the cores the LLM engine uses. They queue instead, and every caller still
