@@ -5,7 +5,7 @@ import threading
 import time
 import weakref
 from collections.abc import Iterable, Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from functools import lru_cache
 from typing import Any, TypeVar
 
@@ -60,16 +60,46 @@ def _switch_to_wal(cursor) -> None:
 
 
 def _sqlite_on_begin(connection) -> None:
+    sqlite = connection.connection.driver_connection
+    if sqlite.in_transaction:  # begun on the driver (sqlite_write_transaction): Core joins it
+        return
     # A writer that reads before it writes must hold the write lock from the start, or WAL mode
     # fails its upgrade with SQLITE_BUSY instead of waiting (busy_timeout does not apply).
     mode = "IMMEDIATE" if connection.get_execution_options().get("sqlite_write") else "DEFERRED"
     # On the driver's connection: Core's execution path cost 0.08 ms of a receipt's 1.2 ms
-    # commit with cold caches (provenance/driver_sql.py). Its error is raised as Core's would be.
-    statement = f"BEGIN {mode}"
+    # commit with cold caches (provenance/driver_sql.py).
+    _on_sqlite(sqlite, f"BEGIN {mode}")
+
+
+def _on_sqlite(sqlite: sqlite3.Connection, statement: str) -> None:
+    """Run the statement on the driver, its error raised as Core's would be (``is_transient``
+    reads it)."""
     try:
-        connection.connection.driver_connection.execute(statement)
+        sqlite.execute(statement)
     except sqlite3.Error as error:
         raise DBAPIError.instance(statement, (), error, sqlite3.Error) from error
+
+
+@contextmanager
+def sqlite_write_transaction(connection: Connection) -> Iterator[Connection]:
+    """A writing transaction on a SQLite connection, begun and committed on the driver: Core's
+    transaction around a receipt's statements cost 0.16 ms with the cold caches a decode leaves,
+    the driver's 0.06 (Zen 4 kind, after a 320 MB sweep). Statements run on the driver's cursor
+    (provenance/driver_sql.py); a Core statement inside joins the transaction, and Core's
+    bookkeeping of it ends with it. The engine's commit listeners (WalCheckpointer) are told."""
+    sqlite = connection.connection.driver_connection
+    _on_sqlite(sqlite, "BEGIN IMMEDIATE")
+    try:
+        yield connection
+        _on_sqlite(sqlite, "COMMIT")
+    except BaseException:
+        with suppress(sqlite3.Error):  # the error to report is the one that got us here
+            sqlite.rollback()
+        raise
+    finally:
+        if connection.in_transaction():  # what a Core statement began: the driver ended it
+            connection.rollback()
+    connection.dispatch.commit(connection)
 
 
 class WalCheckpointer:

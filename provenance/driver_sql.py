@@ -111,7 +111,10 @@ def _connection(bind: Session | Connection) -> Connection:
 
 
 def _cursor(connection: Connection):
-    if not connection.in_transaction():  # as Core's execute would: autobegin
+    # As Core's execute would: autobegin, unless the transaction was begun on the driver
+    # (provenance.db.sqlite_write_transaction; psycopg's connection has no such flag).
+    driver_began = getattr(connection.connection.driver_connection, "in_transaction", False)
+    if not connection.in_transaction() and not driver_began:
         connection.begin()
     return connection.connection.cursor()
 

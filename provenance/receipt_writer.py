@@ -42,7 +42,7 @@ from dataclasses import dataclass, field
 
 from sqlalchemy import Connection, bindparam, select
 
-from provenance.db import get_engine, is_transient
+from provenance.db import get_engine, is_transient, sqlite_write_transaction
 from provenance.models import Receipt
 from provenance.receipts import ReceiptRecord, write_receipts
 
@@ -65,7 +65,9 @@ class CommitterConnection:
     so the next one starts on a fresh connection, checked as the pool checks any.
 
     ``wait_for_lock=False`` (SQLite): a transaction whose write lock is taken fails at once
-    instead of waiting out the busy timeout; such a connection never goes back to the pool."""
+    instead of waiting out the busy timeout, and is begun and committed on the driver
+    (``provenance.db.sqlite_write_transaction``); such a connection never goes back to the
+    pool."""
 
     def __init__(self, url: str, wait_for_lock: bool = True):
         self.url, self.wait_for_lock = url, wait_for_lock
@@ -81,7 +83,11 @@ class CommitterConnection:
                 connection.connection.driver_connection.execute("PRAGMA busy_timeout=0")
             self._connection = connection
         try:
-            with self._connection.begin():
+            if self.wait_for_lock:
+                transaction = self._connection.begin()
+            else:
+                transaction = sqlite_write_transaction(self._connection)
+            with transaction:
                 yield self._connection
         except BaseException:
             self.close()

@@ -7,10 +7,10 @@ import sqlite3
 import threading
 
 import pytest
-from sqlalchemy import func, select
+from sqlalchemy import event, func, select
 
 from provenance import audit_log, migrate, receipt_writer
-from provenance.db import BUSY_TIMEOUT_S, session_scope
+from provenance.db import BUSY_TIMEOUT_S, get_engine, session_scope
 from provenance.models import AuditLeaf, Receipt, Tenant
 from provenance.receipt_writer import ReceiptNotCommitted, ReceiptWriter
 from provenance.receipts import ReceiptRecord, new_receipt_id
@@ -172,12 +172,17 @@ def commit_threads(monkeypatch) -> list[str]:
 
 def test_on_sqlite_the_loop_commits_its_receipt_itself(url, commit_threads):
     writer = ReceiptWriter(url, timeout_s=10)
-    written = [record(), record("globex")]
+    commits = []  # the engine's commit listeners: the WAL checkpointer's among them
+    event.listen(get_engine(url), "commit", commits.append)
+    written = [record(), record("globex"), record(), record("globex")]  # first leaves, then not
     for r in written:
         asyncio.run(writer.write(r))
     writer.close()
-    assert commit_threads == [threading.current_thread().name] * 2  # no committer thread
-    assert stored(url) == ({r.receipt_id for r in written}, 2)
+    assert len(commits) == 4
+    assert commit_threads == [threading.current_thread().name] * 4  # no committer thread
+    assert stored(url) == ({r.receipt_id for r in written}, 4)
+    with session_scope(url) as session:
+        assert audit_log.verify(session).ok
 
 
 def test_a_receipt_that_finds_the_write_lock_taken_waits_on_the_committer(url, commit_threads):
