@@ -32,7 +32,8 @@ def zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     fast as plain zeros and khugepaged moves the cache onto huge pages in the background, slowly:
     at its default pace (4,096 pages every 10 s) 28 MB of that 2.1 GB in the first 20 s.
     Faulted in on 2 MB pages at once (MADV_POPULATE_WRITE), the cache made decode attention 15 %
-    faster and the engine 1-4.5 %, for 3-4 s more at every start (docs/architecture.md).
+    faster and the engine 1-4.5 % on 2 Xeon cores with AMX, for 3-4 s more at every start
+    (docs/architecture.md).
     """
     nbytes = math.prod(shape) * dtype.itemsize
     if nbytes < HUGE_PAGE:
