@@ -153,6 +153,9 @@ async def run_engine(
                 if out.error is not None:
                     raise GenerationFailed(out.error)
             yield out
+            # While the engine computes the next token: the receipt's request part, which the
+            # receipt write would otherwise serialize after the answer's last token.
+            record.serialize_request()
     except (EngineOverloaded, InvalidRequest):
         raise  # refused before any work: the client gets a 4xx, there is nothing to audit
     except (GeneratorExit, asyncio.CancelledError):

@@ -17,7 +17,7 @@ from sqlalchemy.orm import Session
 
 from provenance import audit_log
 from provenance.driver_sql import DriverStatement
-from provenance.hashing import blake3_hex, canonical_json
+from provenance.hashing import blake3_hex, canonical_members, join_members
 from provenance.memory import CitedChunk
 from provenance.models import Receipt, ReceiptCitation, ReceiptRow, utcnow
 
@@ -77,6 +77,7 @@ class ReceiptRecord:
     operation: Operation = Operation.chat
     completion_prompt: str | list[int] | None = None  # a text completion's prompt, as sent
     request_id: str | None = None  # X-Request-Id: joins the receipt to logs and traces
+    _request: "SerializedRequest | None" = field(default=None, init=False, repr=False)
 
     @property
     def status(self) -> ReceiptStatus:
@@ -87,48 +88,43 @@ class ReceiptRecord:
             return ReceiptStatus.cancelled
         return ReceiptStatus.failed
 
-    def row(self, body: "ReceiptBody") -> ReceiptRow:
-        """The receipts table's row, around ``body`` (this record's ``body()``)."""
-        return ReceiptRow(
-            id=self.receipt_id,
-            tenant_id=self.tenant_id,
-            api_key_id=self.api_key_id,
-            created_at=self.created_at,
-            status=self.status,
-            snapshot_epoch=body.snapshot_epoch,
-            model_id=self.model_id,
-            weights_hash=self.weights_hash,
-            prompt_hash=body.prompt_hash,
-            output_hash=body.output_hash,
-            body=canonical_json(body.stored()).decode(),
-        )
+    def serialize_request(self) -> "SerializedRequest":
+        """The body's attributes that the request fixed, validated and serialized once: the
+        answer's path then serializes only what the answer filled in. Called while the engine
+        computes the answer; should the request's fields change after, the receipt would not
+        show it, so only the answer's fields (``ReceiptAnswer``) may change after this."""
+        if self._request is None:
+            retrieval = self.retrieval or {}
+            part = ReceiptRequest(
+                receipt_id=self.receipt_id,
+                created_at=self.created_at.isoformat(),
+                tenant_id=self.tenant_id,
+                api_key_id=self.api_key_id,
+                operation=self.operation,
+                model=self.model_id,
+                input_tokens=self.prompt_token_count,
+                request_id=self.request_id,
+                messages=self.messages,
+                prompt=self.completion_prompt,
+                sampling=self.sampling,
+                weights_hash=self.weights_hash,
+                engine=self.engine,
+                retrieval_enabled=self.retrieval is not None,
+                retrieval_query=retrieval.get("query"),
+                snapshot_epoch=retrieval.get("snapshot_epoch"),
+                embedding_model=retrieval.get("embedding_model"),
+                chunks=retrieval.get("chunks", []),
+                template=self.template_version,
+                prompt_hash=blake3_hex(self.prompt_text),
+            )
+            self._request = SerializedRequest(part, canonical_members(part.stored_request()))
+        return self._request
 
-    def body(self) -> "ReceiptBody":
-        retrieval = self.retrieval or {}
+    def answer(self) -> "ReceiptAnswer":
         error = self.error or {}
-        return ReceiptBody(
-            receipt_id=self.receipt_id,
+        return ReceiptAnswer(
             status=self.status,
-            created_at=self.created_at.isoformat(),
-            tenant_id=self.tenant_id,
-            api_key_id=self.api_key_id,
-            operation=self.operation,
-            model=self.model_id,
             finish_reasons=[self.finish_reason] if self.finish_reason else [],
-            input_tokens=self.prompt_token_count,
-            request_id=self.request_id,
-            messages=self.messages,
-            prompt=self.completion_prompt,
-            sampling=self.sampling,
-            weights_hash=self.weights_hash,
-            engine=self.engine,
-            retrieval_enabled=self.retrieval is not None,
-            retrieval_query=retrieval.get("query"),
-            snapshot_epoch=retrieval.get("snapshot_epoch"),
-            embedding_model=retrieval.get("embedding_model"),
-            chunks=retrieval.get("chunks", []),
-            template=self.template_version,
-            prompt_hash=blake3_hex(self.prompt_text),
             output_text=self.output_text,
             output_hash=blake3_hex(self.output_text),
             output_token_ids=self.output_token_ids,
@@ -137,23 +133,38 @@ class ReceiptRecord:
             error_message=error.get("message"),
         )
 
+    def row(self) -> ReceiptRow:
+        """The receipts table's row: the body's canonical JSON joined from the request's
+        members (``serialize_request``) and the answer's."""
+        request, answer = self.serialize_request(), self.answer()
+        return ReceiptRow(
+            id=self.receipt_id,
+            tenant_id=self.tenant_id,
+            api_key_id=self.api_key_id,
+            created_at=self.created_at,
+            status=self.status,
+            snapshot_epoch=request.part.snapshot_epoch,
+            model_id=self.model_id,
+            weights_hash=self.weights_hash,
+            prompt_hash=request.part.prompt_hash,
+            output_hash=answer.output_hash,
+            body=join_members(request.members, canonical_members(answer.stored_answer())),
+        )
 
-class ReceiptBody(BaseModel):
-    """A receipt as stored and hashed into the audit log. Each field's alias is its
-    OpenTelemetry GenAI name, or its ``inherent.*`` name where the conventions have none;
-    readers go through this model (``ReceiptBody.of(receipt)``), never through the names."""
+
+class ReceiptRequest(BaseModel):
+    """What a receipt records of the request: known before the engine runs. Each field's alias
+    is its OpenTelemetry GenAI name, or its ``inherent.*`` name where the conventions have none."""
 
     model_config = ConfigDict(validate_by_name=True, frozen=True)
 
     receipt_id: str
-    status: ReceiptStatus
     created_at: str  # ISO 8601
     tenant_id: str
     api_key_id: str | None
     operation: Operation = Field(alias="gen_ai.operation.name")
     provider: str = Field("inherent", alias="gen_ai.provider.name")
     model: str = Field(alias="gen_ai.request.model")
-    finish_reasons: list[str] = Field(alias="gen_ai.response.finish_reasons")
     input_tokens: int = Field(alias="gen_ai.usage.input_tokens")
     request_id: str | None = Field(None, alias="inherent.request.id")  # X-Request-Id
     messages: list[dict[str, Any]] = Field(alias="inherent.request.messages")
@@ -170,6 +181,26 @@ class ReceiptBody(BaseModel):
     chunks: list[CitedChunk] = Field(alias="inherent.retrieval.chunks")  # those the prompt held
     template: str = Field(alias="inherent.prompt.template")
     prompt_hash: str = Field(alias="inherent.prompt.hash")
+
+    def stored_request(self) -> dict[str, Any]:
+        """The request's attributes as the database and the audit log hold them, with the
+        conventions' attributes that repeat what the fields say."""
+        return {
+            **self.model_dump(mode="json", by_alias=True, include=_REQUEST_FIELDS),
+            **{name: self.sampling.get(key) for name, key in SAMPLING_ATTRIBUTES.items()},
+            "gen_ai.request.stop_sequences": self.sampling.get("stop", []),
+            "gen_ai.response.id": self.receipt_id,
+            "gen_ai.response.model": self.model,
+        }
+
+
+class ReceiptAnswer(BaseModel):
+    """What a receipt records of the answer: filled in while the engine runs."""
+
+    model_config = ConfigDict(validate_by_name=True, frozen=True)
+
+    status: ReceiptStatus
+    finish_reasons: list[str] = Field(alias="gen_ai.response.finish_reasons")
     output_text: str = Field(alias="inherent.output.text")
     output_hash: str = Field(alias="inherent.output.hash")
     output_token_ids: list[int] = Field(alias="inherent.output.token_ids")
@@ -177,21 +208,35 @@ class ReceiptBody(BaseModel):
     error_type: str | None = Field(None, alias="error.type")
     error_message: str | None = Field(None, alias="error.message")
 
+    def stored_answer(self) -> dict[str, Any]:
+        return {
+            **self.model_dump(mode="json", by_alias=True, include=_ANSWER_FIELDS),
+            "gen_ai.usage.output_tokens": len(self.output_token_ids),
+        }
+
+
+_REQUEST_FIELDS = frozenset(ReceiptRequest.model_fields)
+_ANSWER_FIELDS = frozenset(ReceiptAnswer.model_fields)
+
+
+class ReceiptBody(ReceiptRequest, ReceiptAnswer):
+    """A receipt as stored and hashed into the audit log: the request's attributes and the
+    answer's. Readers go through this model (``ReceiptBody.of(receipt)``), never through the
+    stored names."""
+
     @classmethod
     def of(cls, receipt: Receipt) -> "ReceiptBody":
         return cls.model_validate(receipt.body)
 
     def stored(self) -> dict[str, Any]:
-        """The body as the database and the audit log hold it, under the conventions' names,
-        with the conventions' attributes that repeat what the fields say."""
-        return {
-            **self.model_dump(mode="json", by_alias=True),
-            **{name: self.sampling.get(key) for name, key in SAMPLING_ATTRIBUTES.items()},
-            "gen_ai.request.stop_sequences": self.sampling.get("stop", []),
-            "gen_ai.response.id": self.receipt_id,
-            "gen_ai.response.model": self.model,
-            "gen_ai.usage.output_tokens": len(self.output_token_ids),
-        }
+        """The body as the database and the audit log hold it."""
+        return {**self.stored_request(), **self.stored_answer()}
+
+
+@dataclass(frozen=True, slots=True)
+class SerializedRequest:
+    part: ReceiptRequest
+    members: dict[str, str]  # its stored attributes as canonical JSON members
 
 
 def write_receipts(session: Session | Connection, records: Sequence[ReceiptRecord]) -> None:
@@ -207,12 +252,12 @@ def write_receipts(session: Session | Connection, records: Sequence[ReceiptRecor
     rows: list[ReceiptRow] = []
     citations: list[dict[str, Any]] = []
     for record in records:
-        body = record.body()
-        rows.append(record.row(body))
+        rows.append(record.row())
+        cited = record.serialize_request().part.chunks
         citations.extend(
             {"receipt_id": record.receipt_id, "source_id": source_id, "version": version,
              "tenant_id": record.tenant_id}
-            for source_id, version in sorted({(c.source_id, c.version) for c in body.chunks})
+            for source_id, version in sorted({(c.source_id, c.version) for c in cited})
         )
     _INSERT_RECEIPT.executemany(session, [row._asdict() for row in rows])
     if citations:
