@@ -228,10 +228,6 @@ class ReceiptBody(ReceiptRequest, ReceiptAnswer):
     def of(cls, receipt: Receipt) -> "ReceiptBody":
         return cls.model_validate(receipt.body)
 
-    def stored(self) -> dict[str, Any]:
-        """The body as the database and the audit log hold it."""
-        return {**self.stored_request(), **self.stored_answer()}
-
 
 @dataclass(frozen=True, slots=True)
 class SerializedRequest:

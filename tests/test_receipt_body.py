@@ -83,7 +83,7 @@ def answered(rec: ReceiptRecord, error: dict | None = None) -> ReceiptRecord:
 def test_the_joined_body_is_the_whole_body_serialized(rec):
     row = rec.row()
     body = ReceiptBody.model_validate_json(row.body)
-    assert canonical_json(body.stored()).decode() == row.body
+    assert canonical_json({**body.stored_request(), **body.stored_answer()}).decode() == row.body
     assert body.status == rec.status == row.status
     assert body.output_text == rec.output_text
     assert body.output_token_ids == rec.output_token_ids
