@@ -15,11 +15,12 @@ AVX-512 paths computing the same bits (engine/csrc/simd.h). The widest available
 one; naming one this CPU lacks is an error.
 
 Compiled on first use with the system C++ compiler through torch's extension loader and cached
-under ``TORCH_EXTENSIONS_DIR`` (default ``~/.cache/torch_extensions``): about a minute once per
-machine and source version, a fraction of a second after. It is built for the CPU it runs on
-(``-march=native``), so the build's name carries a digest of the CPU's flags (a home directory
-shared by different machines never loads a build with instructions its CPU lacks) and of the
-sources and their folder (two checkouts never rebuild over each other).
+under ``TORCH_EXTENSIONS_DIR`` (default ``~/.cache/torch_extensions``): under a minute once per
+machine and source version (only bindings.cpp includes the C++ frontend), a fraction of a second
+after. It is built for the CPU it runs on (``-march=native``), so the build's name carries a
+digest of the CPU's flags (a home directory shared by different machines never loads a build
+with instructions its CPU lacks) and of the sources and their folder (two checkouts never
+rebuild over each other).
 """
 
 from __future__ import annotations

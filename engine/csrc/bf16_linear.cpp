@@ -66,13 +66,13 @@ inline void to_bf16(const float* src, int64_t n, at::BFloat16* dst) {
 // matmul), a layer's four AMX matmuls took 10-16 % longer at 1 and 16 rows and 5 % at 64, the
 // AVX512-BF16 path's 8 % at 1 row (2 Xeon cores, family 6 model 207; medians of calls
 // interleaved in one process, the same bits).
-const at::BFloat16* bf16_rows(const torch::Tensor& x, int64_t padded_rows, int64_t ld) {
+const at::BFloat16* bf16_rows(const at::Tensor& x, int64_t padded_rows, int64_t ld) {
   thread_local std::vector<at::BFloat16> buffer;
   buffer.resize(padded_rows * ld + 32);
   at::BFloat16* xb = reinterpret_cast<at::BFloat16*>(
       (reinterpret_cast<uintptr_t>(buffer.data()) + 63) & ~uintptr_t(63));  // whole tile rows
   const int64_t rows = x.size(0), k = x.size(1), row_bytes = x.stride(0) * x.element_size();
-  const bool bf16 = x.scalar_type() == torch::kBFloat16;
+  const bool bf16 = x.scalar_type() == at::kBFloat16;
   const char* x0 = static_cast<const char*>(x.data_ptr());
   // split only for prefill-sized inputs: 1-16 rows convert faster than threads wake
   at::parallel_for(0, padded_rows, 64, [&](int64_t begin, int64_t end) {
@@ -236,7 +236,7 @@ void amx_quad(const at::BFloat16* x, int64_t ldx, const uint32_t* w, int64_t pan
 }
 
 // x [rows, k] (float32 or bfloat16) times the packed weight into out [rows, columns], on AMX.
-void amx_linear(const torch::Tensor& x, const uint32_t* wp, int64_t num_panels, int64_t stride,
+void amx_linear(const at::Tensor& x, const uint32_t* wp, int64_t num_panels, int64_t stride,
                 float* op, int64_t columns) {
   const int64_t rows = x.size(0);
   const int64_t a_tiles = rows <= 16 ? 1 : 2, block_rows = 16 * a_tiles;
@@ -309,12 +309,12 @@ std::vector<std::string> bf16_linear_paths() {
 
 // w: [N, K] float32 or bfloat16. Returns the packed weight, [panels, pairs, 16, 2] bfloat16 with
 // panels = ceil(N/16) rounded up to even and pairs = ceil(K/2) up to a multiple of 16 (zeros).
-torch::Tensor pack_bf16_weight(torch::Tensor w) {
+at::Tensor pack_bf16_weight(at::Tensor w) {
   TORCH_CHECK(w.dim() == 2 && w.device().is_cpu(), "weight must be a 2-D CPU tensor");
   const int64_t n = w.size(0), k = w.size(1);
   const int64_t panels = (n + 2 * kPanel - 1) / (2 * kPanel) * 2;
   const int64_t pairs = ((k + 1) / 2 + kTilePairs - 1) / kTilePairs * kTilePairs;
-  auto padded = torch::zeros({panels * kPanel, pairs * 2}, w.options().dtype(torch::kBFloat16));
+  auto padded = at::zeros({panels * kPanel, pairs * 2}, w.options().dtype(at::kBFloat16));
   padded.narrow(0, 0, n).narrow(1, 0, k).copy_(w);  // rounds to nearest even, as .to() does
   // [panels, 16, pairs, 2] -> [panels, pairs, 16, 2]
   return padded.view({panels, kPanel, pairs, 2}).transpose(1, 2).contiguous();
@@ -322,12 +322,12 @@ torch::Tensor pack_bf16_weight(torch::Tensor w) {
 
 // x: [M, K] float32 or bfloat16, rows contiguous; packed from pack_bf16_weight; columns: N;
 // path: "auto" (AMX where granted, else AVX512-BF16), "amx" or "avx512". Returns [M, N] float32.
-torch::Tensor bf16_linear(torch::Tensor x, torch::Tensor packed, int64_t columns,
-                          const std::string& path) {
-  TORCH_CHECK((x.scalar_type() == torch::kFloat32 || x.scalar_type() == torch::kBFloat16) &&
+at::Tensor bf16_linear(at::Tensor x, at::Tensor packed, int64_t columns,
+                       const std::string& path) {
+  TORCH_CHECK((x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16) &&
               x.dim() == 2 && x.stride(1) == 1 && x.device().is_cpu(),
               "x must be a 2-D float32 or bfloat16 CPU tensor with contiguous rows");
-  TORCH_CHECK(packed.scalar_type() == torch::kBFloat16 && packed.dim() == 4 &&
+  TORCH_CHECK(packed.scalar_type() == at::kBFloat16 && packed.dim() == 4 &&
               packed.is_contiguous() && packed.size(2) == kPanel && packed.size(3) == 2 &&
               packed.size(0) % 2 == 0 && packed.size(1) % kTilePairs == 0,
               "packed must come from pack_bf16_weight");
@@ -341,7 +341,7 @@ torch::Tensor bf16_linear(torch::Tensor x, torch::Tensor packed, int64_t columns
   const bool amx = path == "amx" || (path == "auto" && amx_available());
   TORCH_CHECK(amx ? amx_available() : kSupported, "bf16_linear: this CPU or build has no ",
               amx ? "AMX" : "AVX512-BF16", " path");
-  auto out = torch::empty({rows, columns}, x.options().dtype(torch::kFloat32));
+  auto out = at::empty({rows, columns}, x.options().dtype(at::kFloat));
   if (rows == 0) return out;
   const uint32_t* wp = reinterpret_cast<const uint32_t*>(packed.data_ptr<at::BFloat16>());
   float* op = out.data_ptr<float>();

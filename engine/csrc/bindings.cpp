@@ -1,6 +1,9 @@
 // The Python module of the CPU kernels, built by engine/cpu_kernels.py.
 #include "simd.h"
 
+#include <pybind11/stl.h>
+#include <torch/csrc/utils/pybind.h>
+
 std::vector<std::string> available_paths() {
   std::vector<std::string> names;
   for (auto [path, name] : {std::pair{inherent::Path::kAvx512, "avx512"},
@@ -33,8 +36,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("quant_linear", &quant_linear, without_gil, "x @ W.T, W as GGUF blocks (Q4_1, Q8_0); float32 arithmetic",
         py::arg("x"), py::arg("blocks"), py::arg("qtype"), py::arg("path"));
   py::class_<BlockStack>(m, "BlockStack", "a decoder's layers on our kernels, one call a step")
-      .def(py::init<std::vector<torch::Tensor>, std::vector<torch::Tensor>, std::vector<int64_t>,
-                    std::vector<int64_t>, torch::Tensor, int64_t, double, double, bool>(),
+      .def(py::init<std::vector<at::Tensor>, std::vector<at::Tensor>, std::vector<int64_t>,
+                    std::vector<int64_t>, at::Tensor, int64_t, double, double, bool>(),
            py::arg("norms"), py::arg("matrices"), py::arg("qtypes"), py::arg("columns"),
            py::arg("cos_sin"), py::arg("num_heads"), py::arg("eps"), py::arg("scale"),
            py::arg("bf16_norm_out"))

@@ -7,9 +7,9 @@
 // 30 layers, while the other core's OpenMP worker waits for the next kernel.
 #include "kernels.h"
 
-BlockStack::BlockStack(std::vector<torch::Tensor> norms, std::vector<torch::Tensor> matrices,
+BlockStack::BlockStack(std::vector<at::Tensor> norms, std::vector<at::Tensor> matrices,
                        std::vector<int64_t> qtypes, std::vector<int64_t> columns,
-                       torch::Tensor cos_sin, int64_t num_heads, double eps, double scale,
+                       at::Tensor cos_sin, int64_t num_heads, double eps, double scale,
                        bool bf16_norm_out)
     : norms_(std::move(norms)), matrices_(std::move(matrices)), qtypes_(std::move(qtypes)),
       columns_(std::move(columns)), cos_sin_(std::move(cos_sin)), num_heads_(num_heads),
@@ -22,28 +22,28 @@ BlockStack::BlockStack(std::vector<torch::Tensor> norms, std::vector<torch::Tens
                 " is not supported");
 }
 
-torch::Tensor BlockStack::forward(torch::Tensor x, const std::vector<torch::Tensor>& caches,
-                                  torch::Tensor positions, torch::Tensor slots,
-                                  torch::Tensor block_tables, torch::Tensor token_seq,
-                                  const std::string& path) const {
+at::Tensor BlockStack::forward(at::Tensor x, const std::vector<at::Tensor>& caches,
+                               at::Tensor positions, at::Tensor slots,
+                               at::Tensor block_tables, at::Tensor token_seq,
+                               const std::string& path) const {
   const size_t layers = norms_.size() / 2;
   TORCH_CHECK(layers > 0 && caches.size() == layers, "one KV cache tensor per layer");
-  const auto norm = [&](const c10::optional<torch::Tensor>& delta, const torch::Tensor& weight) {
+  const auto norm = [&](const c10::optional<at::Tensor>& delta, const at::Tensor& weight) {
     return add_rms_norm(x, delta, weight, eps_, bf16_norm_out_, path);
   };
   // As the model's linears take them: the bf16 kernel any float type (its own path choice),
   // the blocks float32 (QuantLinear's x.float())
-  const auto matmul = [&](const torch::Tensor& in, size_t layer, int which) {
+  const auto matmul = [&](const at::Tensor& in, size_t layer, int which) {
     const size_t m = 4 * layer + which;
     if (qtypes_[m] == kPackedBf16) return bf16_linear(in, matrices_[m], columns_[m], "auto");
-    return quant_linear(in.to(torch::kFloat32), matrices_[m], qtypes_[m], path);
+    return quant_linear(in.to(at::kFloat), matrices_[m], qtypes_[m], path);
   };
-  c10::optional<torch::Tensor> delta;  // the last sublayer's output, added inside the next norm
+  c10::optional<at::Tensor> delta;  // the last sublayer's output, added inside the next norm
   for (size_t l = 0; l < layers; ++l) {
-    torch::Tensor h = norm(delta, norms_[2 * l]);
-    const torch::Tensor q =
+    at::Tensor h = norm(delta, norms_[2 * l]);
+    const at::Tensor q =
         rope_write(matmul(h, l, 0), cos_sin_, positions, slots, caches[l], num_heads_, path);
-    const torch::Tensor attn =
+    const at::Tensor attn =
         paged_attention(q, caches[l], block_tables, token_seq, positions, scale_, path);
     h = norm(matmul(attn, l, 1), norms_[2 * l + 1]);
     delta = matmul(silu_mul(matmul(h, l, 2), path), l, 3);

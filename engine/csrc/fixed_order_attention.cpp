@@ -417,18 +417,18 @@ void attend(const Layout& L, const float* q, int64_t q_stride, float* out, int64
 // token_seq: [T] int32, each query row's sequence; positions: [T] int64, each row attends keys
 // 0..position. `path_name`: "auto" or the implementation to force (simd.h; tests compare them).
 // Returns [T, num_heads * head_dim].
-torch::Tensor paged_attention(torch::Tensor q, torch::Tensor cache, torch::Tensor block_tables,
-                              torch::Tensor token_seq, torch::Tensor positions, double scale,
-                              const std::string& path_name) {
+at::Tensor paged_attention(at::Tensor q, at::Tensor cache, at::Tensor block_tables,
+                           at::Tensor token_seq, at::Tensor positions, double scale,
+                           const std::string& path_name) {
   const Path path = resolve_path(path_name);
-  TORCH_CHECK(q.scalar_type() == torch::kFloat32, "q must be float32");
-  const bool bf16 = cache.scalar_type() == torch::kBFloat16;
-  TORCH_CHECK(bf16 || cache.scalar_type() == torch::kFloat32, "the cache must be float32 or bfloat16");
+  TORCH_CHECK(q.scalar_type() == at::kFloat, "q must be float32");
+  const bool bf16 = cache.scalar_type() == at::kBFloat16;
+  TORCH_CHECK(bf16 || cache.scalar_type() == at::kFloat, "the cache must be float32 or bfloat16");
   TORCH_CHECK(q.dim() == 2 && q.stride(1) == 1, "q must be [T, heads * head_dim], rows contiguous");
   TORCH_CHECK(cache.dim() == 5 && cache.is_contiguous(), "cache must be a contiguous 5-D tensor");
-  TORCH_CHECK(block_tables.scalar_type() == torch::kInt32 && block_tables.is_contiguous());
-  TORCH_CHECK(token_seq.scalar_type() == torch::kInt32 && token_seq.is_contiguous());
-  TORCH_CHECK(positions.scalar_type() == torch::kInt64 && positions.is_contiguous());
+  TORCH_CHECK(block_tables.scalar_type() == at::kInt && block_tables.is_contiguous());
+  TORCH_CHECK(token_seq.scalar_type() == at::kInt && token_seq.is_contiguous());
+  TORCH_CHECK(positions.scalar_type() == at::kLong && positions.is_contiguous());
   TORCH_CHECK(q.device().is_cpu() && cache.device().is_cpu(), "fixed-order attention runs on CPU");
   const int64_t num_tokens = q.size(0), head_dim = cache.size(4);
   Layout L{cache.data_ptr(), cache.size(1), 2 * cache.size(3) * head_dim,
@@ -437,7 +437,7 @@ torch::Tensor paged_attention(torch::Tensor q, torch::Tensor cache, torch::Tenso
   const int64_t heads = q.size(1) / head_dim;
   TORCH_CHECK(heads * head_dim == q.size(1) && heads % L.kv_heads == 0, "bad head layout");
 
-  auto out = torch::empty({num_tokens, heads * head_dim}, q.options());
+  auto out = at::empty({num_tokens, heads * head_dim}, q.options());
   const float* q_data = q.data_ptr<float>();
   const int64_t q_stride = q.stride(0);
   const int32_t* seq_of = token_seq.data_ptr<int32_t>();

@@ -3,7 +3,12 @@
 // bindings.cpp exposes to Python.
 #pragma once
 
-#include <torch/extension.h>
+// ATen's tensor and the two factories the kernels call, not torch/extension.h (the C++ frontend
+// and pybind11, which only bindings.cpp needs): 7-11 s a file to compile instead of 35.
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/zeros.h>
+#include <c10/util/Optional.h>
 
 #include <algorithm>
 #include <cmath>
@@ -72,21 +77,21 @@ inline float exp_nonpositive(float x) {
 // `path`: "auto" or the implementation to force (simd.h).
 std::vector<std::string> available_paths();
 
-torch::Tensor paged_attention(torch::Tensor q, torch::Tensor cache, torch::Tensor block_tables,
-                              torch::Tensor token_seq, torch::Tensor positions, double scale,
-                              const std::string& path);
-
-torch::Tensor add_rms_norm(torch::Tensor x, c10::optional<torch::Tensor> delta,
-                           torch::Tensor weight, double eps, bool bf16_out,
+at::Tensor paged_attention(at::Tensor q, at::Tensor cache, at::Tensor block_tables,
+                           at::Tensor token_seq, at::Tensor positions, double scale,
                            const std::string& path);
-torch::Tensor rope_write(torch::Tensor qkv, torch::Tensor cos_sin, torch::Tensor positions,
-                         torch::Tensor slots, torch::Tensor cache, int64_t num_heads,
-                         const std::string& path);
-torch::Tensor silu_mul(torch::Tensor gate_up, const std::string& path);
+
+at::Tensor add_rms_norm(at::Tensor x, c10::optional<at::Tensor> delta,
+                        at::Tensor weight, double eps, bool bf16_out,
+                        const std::string& path);
+at::Tensor rope_write(at::Tensor qkv, at::Tensor cos_sin, at::Tensor positions,
+                      at::Tensor slots, at::Tensor cache, int64_t num_heads,
+                      const std::string& path);
+at::Tensor silu_mul(at::Tensor gate_up, const std::string& path);
 
 int64_t quant_block_bytes(int64_t qtype);
-torch::Tensor quant_linear(torch::Tensor x, torch::Tensor blocks, int64_t qtype,
-                           const std::string& path);
+at::Tensor quant_linear(at::Tensor x, at::Tensor blocks, int64_t qtype,
+                        const std::string& path);
 
 // A BlockStack matrix's qtype when it is a weight packed for bf16_linear, not GGUF blocks.
 constexpr int64_t kPackedBf16 = -1;
@@ -96,19 +101,19 @@ constexpr int64_t kPackedBf16 = -1;
 // packed for bf16_linear (kPackedBf16), with its output columns.
 class BlockStack {
  public:
-  BlockStack(std::vector<torch::Tensor> norms, std::vector<torch::Tensor> matrices,
-             std::vector<int64_t> qtypes, std::vector<int64_t> columns, torch::Tensor cos_sin,
+  BlockStack(std::vector<at::Tensor> norms, std::vector<at::Tensor> matrices,
+             std::vector<int64_t> qtypes, std::vector<int64_t> columns, at::Tensor cos_sin,
              int64_t num_heads, double eps, double scale, bool bf16_norm_out);
   // x [T, hidden] float32, the residual stream, updated in place; returns the last layer's
   // output (the residual's next delta).
-  torch::Tensor forward(torch::Tensor x, const std::vector<torch::Tensor>& caches,
-                        torch::Tensor positions, torch::Tensor slots, torch::Tensor block_tables,
-                        torch::Tensor token_seq, const std::string& path) const;
+  at::Tensor forward(at::Tensor x, const std::vector<at::Tensor>& caches,
+                     at::Tensor positions, at::Tensor slots, at::Tensor block_tables,
+                     at::Tensor token_seq, const std::string& path) const;
 
  private:
-  std::vector<torch::Tensor> norms_, matrices_;
+  std::vector<at::Tensor> norms_, matrices_;
   std::vector<int64_t> qtypes_, columns_;
-  torch::Tensor cos_sin_;
+  at::Tensor cos_sin_;
   int64_t num_heads_;
   double eps_, scale_;
   bool bf16_norm_out_;
@@ -116,6 +121,6 @@ class BlockStack {
 
 bool bf16_linear_supported();
 std::vector<std::string> bf16_linear_paths();
-torch::Tensor pack_bf16_weight(torch::Tensor w);
-torch::Tensor bf16_linear(torch::Tensor x, torch::Tensor packed, int64_t columns,
-                          const std::string& path);
+at::Tensor pack_bf16_weight(at::Tensor w);
+at::Tensor bf16_linear(at::Tensor x, at::Tensor packed, int64_t columns,
+                       const std::string& path);

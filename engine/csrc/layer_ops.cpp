@@ -222,12 +222,12 @@ void with_path(Path path, Fn&& fn) {
   }
 }
 
-bool is_bf16(const torch::Tensor& t) { return t.scalar_type() == torch::kBFloat16; }
+bool is_bf16(const at::Tensor& t) { return t.scalar_type() == at::kBFloat16; }
 
-void check_rows(const torch::Tensor& t, const char* name) {
+void check_rows(const at::Tensor& t, const char* name) {
   TORCH_CHECK(t.device().is_cpu() && t.dim() == 2 && t.stride(1) == 1, name,
               " must be a 2-D CPU tensor with contiguous rows");
-  TORCH_CHECK(t.scalar_type() == torch::kFloat32 || is_bf16(t), name,
+  TORCH_CHECK(t.scalar_type() == at::kFloat || is_bf16(t), name,
               " must be float32 or bfloat16");
 }
 
@@ -235,20 +235,20 @@ void check_rows(const torch::Tensor& t, const char* name) {
 
 // x: [T, H] float32, contiguous, updated in place; delta: [T, H] float32 or bfloat16, or None;
 // weight: [H] float32. Returns [T, H], bfloat16 if bf16_out else float32.
-torch::Tensor add_rms_norm(torch::Tensor x, c10::optional<torch::Tensor> delta,
-                           torch::Tensor weight, double eps, bool bf16_out,
-                           const std::string& path_name) {
+at::Tensor add_rms_norm(at::Tensor x, c10::optional<at::Tensor> delta,
+                        at::Tensor weight, double eps, bool bf16_out,
+                        const std::string& path_name) {
   const Path path = resolve_path(path_name);
   check_rows(x, "x");
-  TORCH_CHECK(x.scalar_type() == torch::kFloat32 && x.is_contiguous(), "x must be contiguous float32");
-  TORCH_CHECK(weight.scalar_type() == torch::kFloat32 && weight.is_contiguous() &&
+  TORCH_CHECK(x.scalar_type() == at::kFloat && x.is_contiguous(), "x must be contiguous float32");
+  TORCH_CHECK(weight.scalar_type() == at::kFloat && weight.is_contiguous() &&
               weight.numel() == x.size(1), "weight must be [H] float32");
   if (delta) {
     check_rows(*delta, "delta");
     TORCH_CHECK(delta->sizes() == x.sizes(), "delta must have x's shape");
   }
   const int64_t rows = x.size(0), width = x.size(1);
-  auto out = torch::empty({rows, width}, x.options().dtype(bf16_out ? torch::kBFloat16 : torch::kFloat32));
+  auto out = at::empty({rows, width}, x.options().dtype(bf16_out ? at::kBFloat16 : at::kFloat));
   float* xp = x.data_ptr<float>();
   const float* w = weight.data_ptr<float>();
   const float e = static_cast<float>(eps);
@@ -276,20 +276,20 @@ torch::Tensor add_rms_norm(torch::Tensor x, c10::optional<torch::Tensor> delta,
 // side by side); cos_sin: [positions, D / 2, 2] float32; positions, slots: [T] int64; cache:
 // [blocks, block_size, 2, kv_heads, D] float32 or bfloat16. Writes k (rotated) and v into each
 // token's slot; returns q (rotated) as [T, heads * D] float32.
-torch::Tensor rope_write(torch::Tensor qkv, torch::Tensor cos_sin, torch::Tensor positions,
-                         torch::Tensor slots, torch::Tensor cache, int64_t num_heads,
-                         const std::string& path_name) {
+at::Tensor rope_write(at::Tensor qkv, at::Tensor cos_sin, at::Tensor positions,
+                      at::Tensor slots, at::Tensor cache, int64_t num_heads,
+                      const std::string& path_name) {
   const Path path = resolve_path(path_name);
   check_rows(qkv, "qkv");
   TORCH_CHECK(cache.dim() == 5 && cache.is_contiguous() && cache.device().is_cpu() &&
-              (cache.scalar_type() == torch::kFloat32 || is_bf16(cache)),
+              (cache.scalar_type() == at::kFloat || is_bf16(cache)),
               "cache must be a contiguous 5-D float32 or bfloat16 CPU tensor");
   const int64_t kv_heads = cache.size(3), dim = cache.size(4), tokens = qkv.size(0);
   TORCH_CHECK(qkv.size(1) == (num_heads + 2 * kv_heads) * dim, "qkv width does not match the heads");
-  TORCH_CHECK(cos_sin.scalar_type() == torch::kFloat32 && cos_sin.is_contiguous() &&
+  TORCH_CHECK(cos_sin.scalar_type() == at::kFloat && cos_sin.is_contiguous() &&
               cos_sin.size(-1) == 2 && cos_sin.numel() % dim == 0, "cos_sin must be [P, D / 2, 2] float32");
   for (const auto* t : {&positions, &slots})
-    TORCH_CHECK(t->scalar_type() == torch::kInt64 && t->is_contiguous() && t->numel() == tokens,
+    TORCH_CHECK(t->scalar_type() == at::kLong && t->is_contiguous() && t->numel() == tokens,
                 "positions and slots must be [T] int64");
   const int64_t* pos = positions.data_ptr<int64_t>();
   const int64_t max_pos = cos_sin.numel() / dim, num_slots = cache.size(0) * cache.size(1);
@@ -297,7 +297,7 @@ torch::Tensor rope_write(torch::Tensor qkv, torch::Tensor cos_sin, torch::Tensor
   for (int64_t t = 0; t < tokens; ++t)
     TORCH_CHECK(pos[t] >= 0 && pos[t] < max_pos && slot[t] >= 0 && slot[t] < num_slots,
                 "position or slot out of range");
-  auto q = torch::empty({tokens, num_heads * dim}, qkv.options().dtype(torch::kFloat32));
+  auto q = at::empty({tokens, num_heads * dim}, qkv.options().dtype(at::kFloat));
   const float* cs = cos_sin.data_ptr<float>();
   float* qp = q.data_ptr<float>();
   const int64_t slot_stride = 2 * kv_heads * dim;
@@ -322,12 +322,12 @@ torch::Tensor rope_write(torch::Tensor qkv, torch::Tensor cos_sin, torch::Tensor
 }
 
 // gate_up: [T, 2 I] float32 or bfloat16 (gate, then up). Returns silu(gate) * up, [T, I], same dtype.
-torch::Tensor silu_mul(torch::Tensor gate_up, const std::string& path_name) {
+at::Tensor silu_mul(at::Tensor gate_up, const std::string& path_name) {
   const Path path = resolve_path(path_name);
   check_rows(gate_up, "gate_up");
   TORCH_CHECK(gate_up.size(1) % 2 == 0, "gate_up must have an even width");
   const int64_t rows = gate_up.size(0), width = gate_up.size(1) / 2;
-  auto out = torch::empty({rows, width}, gate_up.options());
+  auto out = at::empty({rows, width}, gate_up.options());
   at::parallel_for(0, rows, grain(width), [&](int64_t begin, int64_t end) {
     with_path(path, [&](auto p) {
     if (is_bf16(gate_up))

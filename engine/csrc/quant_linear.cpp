@@ -532,21 +532,21 @@ int64_t quant_block_bytes(int64_t qtype) {
 
 // x: [M, K] float32, rows contiguous; blocks: [N, K / 32 * block bytes] uint8, the GGUF tensor's
 // rows as stored; qtype: ggml's number (3 Q4_1, 8 Q8_0). Returns [M, N] float32.
-torch::Tensor quant_linear(torch::Tensor x, torch::Tensor blocks, int64_t qtype,
-                           const std::string& path_name) {
+at::Tensor quant_linear(at::Tensor x, at::Tensor blocks, int64_t qtype,
+                        const std::string& path_name) {
   const Path path = resolve_path(path_name);
   const int64_t block_bytes = quant_block_bytes(qtype);
   TORCH_CHECK(block_bytes > 0, "GGUF block type ", qtype, " is not supported (Q4_1, Q8_0)");
-  TORCH_CHECK(x.scalar_type() == torch::kFloat32 && x.dim() == 2 && x.stride(1) == 1 &&
+  TORCH_CHECK(x.scalar_type() == at::kFloat && x.dim() == 2 && x.stride(1) == 1 &&
               x.device().is_cpu(), "x must be a 2-D float32 CPU tensor with contiguous rows");
-  TORCH_CHECK(blocks.scalar_type() == torch::kUInt8 && blocks.dim() == 2 &&
+  TORCH_CHECK(blocks.scalar_type() == at::kByte && blocks.dim() == 2 &&
               blocks.is_contiguous() && blocks.device().is_cpu(),
               "blocks must be a contiguous 2-D uint8 CPU tensor");
   const int64_t rows = x.size(0), k = x.size(1), cols = blocks.size(0);
   TORCH_CHECK(k % kBlock == 0 && blocks.size(1) == k / kBlock * block_bytes,
               "x's width does not match the blocks (", k, " columns, ", blocks.size(1),
               " bytes a row)");
-  auto out = torch::empty({rows, cols}, x.options());
+  auto out = at::empty({rows, cols}, x.options());
   if (rows == 0 || cols == 0) return out;
   const float* xp = x.data_ptr<float>();
   const uint8_t* wp = blocks.data_ptr<uint8_t>();
