@@ -11,6 +11,10 @@ from engine_fixtures import (  # noqa: F401 (fixtures)
     hf_tokenizer,
     write_tiny_llama,
 )
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from tokenizers import Tokenizer as BackendTokenizer
+from tokenizers import pre_tokenizers
 
 from engine.loader import read_gguf
 from engine.model_files import bundled_model_path
@@ -53,6 +57,26 @@ def test_digits_are_split_one_by_one(tokenizer):
     """SmolLM2 was trained with every digit its own token (llama.cpp's "smollm" pre-tokenizer)."""
     ids = tokenizer.encode("year 2024")
     assert [tokenizer.decode([i]) for i in ids[-4:]] == ["2", "0", "2", "4"]
+
+
+DIGIT_EDGES = ["a  4", "a 4", " 4", "4 ", "\n\n1", "x\t\u00b2y", "12 34", "a\u00a0 5b", "\u0663 \u2167 \u00bd",
+               "it's 3's", "  \n 7\n\n", "\u00e9t\u00e9 2024 ?!"]
+
+
+@settings(max_examples=400, deadline=None)
+@given(st.lists(st.sampled_from(
+    [*"ab Z\u00e9'sdtl09  \n\t\r.,!?-_([\"", "\u00b2", "\u0663", "\u2167", "\u00bd", "\u65e5\u672c",
+     "\u00a0", "\u2003", "'S", "'ll", "\U0001f600"]), max_size=40).map("".join))
+def test_the_one_pass_digit_split_encodes_as_digits_then_gpt2(tokenizer, text):
+    """The bundled model's pre-tokenizer is one split (engine/tokenizer.py); SmolLM2's own
+    tokenizer.json isolates digits first, then splits like GPT-2. Same vocabulary, same ids."""
+    two_pass = BackendTokenizer.from_str(tokenizer.backend.to_str())
+    two_pass.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Digits(individual_digits=True),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True),
+    ])
+    for sample in [text, *DIGIT_EDGES]:
+        assert tokenizer.encode(sample) == two_pass.encode(sample).ids, sample
 
 
 def test_chat_template_renders_like_smollm2(tokenizer):
