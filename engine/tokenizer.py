@@ -77,10 +77,10 @@ def _in_one_pass(backend: BackendTokenizer) -> None:
     spec = json.loads(backend.pre_tokenizer.__getstate__())
     steps = spec.get("pretokenizers", []) if spec.get("type") == "Sequence" else []
     if (
-        [step["type"] for step in steps] == ["Digits", "ByteLevel"]
-        and steps[0]["individual_digits"]
-        and steps[1]["use_regex"]
-        and not steps[1]["add_prefix_space"]
+        [step.get("type") for step in steps] == ["Digits", "ByteLevel"]
+        and steps[0].get("individual_digits") is True
+        and steps[1].get("use_regex") is True
+        and steps[1].get("add_prefix_space") is False
     ):
         backend.pre_tokenizer = _split_then_bytes(_DIGITS_GPT2_SPLIT)
 
