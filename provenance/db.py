@@ -107,30 +107,34 @@ class WalCheckpointer:
 
     By default the commit that takes the log past 1,000 pages runs the checkpoint before it
     returns: during an ingestion that was a receipt commit now and then, held up to 0.45 s
-    (bench.overhead). Here a commit only marks the log dirty; at most once per ``interval_s``
-    this thread runs a PASSIVE checkpoint, which waits for no reader or writer. Other
-    processes on the same file run their own; SQLite's locks keep them apart.
+    (bench.overhead). Here a commit only marks the log dirty; every ``interval_s`` this thread
+    looks, and runs a PASSIVE checkpoint of a dirty log, which waits for no reader or writer.
+    Other processes on the same file run their own; SQLite's locks keep them apart.
+
+    The mark is a plain flag this thread polls, not an event that wakes it: between requests
+    every receipt's commit was the first since a checkpoint, and waking this thread from it took
+    0.07 ms of the commit (a thread woken on the other core; Xeon, family 6 model 167).
     """
 
     def __init__(self, engine: Engine, interval_s: float = 0.5):
         self._engine = weakref.ref(engine)  # the thread ends once the engine is dropped
         self._interval_s = interval_s
-        self._dirty = threading.Event()
-        event.listen(engine, "commit", lambda _connection: self._dirty.set())
+        self.dirty = False  # a commit since the last checkpoint
+        event.listen(engine, "commit", self._mark_dirty)
         threading.Thread(target=self._run, name="inherent-wal-checkpoint", daemon=True).start()
+
+    def _mark_dirty(self, _connection: object) -> None:
+        self.dirty = True
 
     def _run(self) -> None:
         while True:
-            if not self._dirty.wait(timeout=30):
-                if self._engine() is None:
-                    return
-                continue
             time.sleep(self._interval_s)  # one checkpoint for the commits of the interval
-            self._dirty.clear()
             engine = self._engine()
             if engine is None:
                 return
-            self.checkpoint(engine)
+            if self.dirty:
+                self.dirty = False  # before it runs: a commit meanwhile is seen next time
+                self.checkpoint(engine)
             del engine
 
     @staticmethod

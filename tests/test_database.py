@@ -57,8 +57,8 @@ def test_the_checkpointer_restarts_the_emptied_log_so_no_commit_syncs_its_header
     path = tmp_path / "restart.db"
     engine = get_engine(f"sqlite:///{path}")
     WalCheckpointer.checkpoint(engine)  # the first connection: the file is in WAL mode now
-    # Writes on a connection of the test's own: a commit through the engine would wake its
-    # background checkpointer, which could restart the log between the two reads below.
+    # Writes on a connection of the test's own: a commit through the engine would mark the log
+    # dirty for its background checkpointer, which could restart it between the two reads below.
     writer = sqlite3.connect(path, isolation_level=None)
     writer.execute("CREATE TABLE t (x)")
     writer.execute("INSERT INTO t VALUES (1)")
