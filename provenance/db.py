@@ -119,12 +119,12 @@ class WalCheckpointer:
     def __init__(self, engine: Engine, interval_s: float = 0.5):
         self._engine = weakref.ref(engine)  # the thread ends once the engine is dropped
         self._interval_s = interval_s
-        self.dirty = False  # a commit since the last checkpoint
+        self._dirty = False  # a commit since the last checkpoint
         event.listen(engine, "commit", self._mark_dirty)
         threading.Thread(target=self._run, name="inherent-wal-checkpoint", daemon=True).start()
 
     def _mark_dirty(self, _connection: object) -> None:
-        self.dirty = True
+        self._dirty = True
 
     def _run(self) -> None:
         while True:
@@ -132,8 +132,8 @@ class WalCheckpointer:
             engine = self._engine()
             if engine is None:
                 return
-            if self.dirty:
-                self.dirty = False  # before it runs: a commit meanwhile is seen next time
+            if self._dirty:
+                self._dirty = False  # before it runs: a commit meanwhile is seen next time
                 self.checkpoint(engine)
             del engine
 
