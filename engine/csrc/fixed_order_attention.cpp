@@ -145,14 +145,14 @@ void attend_portable(const Token<T>& t, std::vector<float>& acc) {
   std::copy(acc.begin(), acc.end(), t.out);
 }
 
-// Pulls a slot's K and V (of the KV heads a call computes) into L2, a tile of keys ahead:
+// Pulls a slot's K and V (of the KV heads a call computes) into L2 before key_tiles reads it:
 // scattered blocks defeat the hardware prefetcher, and V is read again by the weighted sum.
-// Measured, 64 decodes over a bf16 cache of 20 MB per layer on 2 cores: no prefetch 2.07 ms,
-// into L1 2.20 ms (the prefetches stall on L1's few miss buffers), into L2 1.61 ms. The slots
-// of the next tile are asked for one per key as key_tile converts the current tile, not all
-// at once: a burst of 16 slots (192 lines) stalled the core on the miss buffers too. 16 decodes
-// at 450 over 30 layers' bf16 caches on shuffled blocks (2 Zen 4 cores): 10.6-11.9 ms against
-// 13.0-13.5 with the burst, 12.9-13.9 against 17.0-18.1 on the AVX2 path (docs/architecture.md).
+// Measured, 64 decodes over a bf16 cache of 20 MB per layer on 2 cores: no prefetch 2.07 ms, into
+// L1 2.20 ms (the prefetches stall on L1's few miss buffers), into L2 1.61 ms. The slots it reads
+// next are asked for one per key as it converts the current ones, not all at once: a burst of 16
+// slots (192 lines) stalled the core on the miss buffers too. 16 decodes at 450 over 30 layers'
+// bf16 caches on shuffled blocks (2 Zen 4 cores): 10.6-11.9 ms against 13.0-13.5 with the burst,
+// 12.9-13.9 against 17.0-18.1 on the AVX2 path (docs/architecture.md).
 #if defined(INHERENT_AVX2) || defined(INHERENT_AVX512)
 // `k`: the first K a call reads of a slot, `bytes` of them, and as many of V from k + v_offset
 // (the whole slot, contiguous, when the call computes every KV head).
@@ -240,19 +240,23 @@ inline void values_of(int64_t count, const Token<T>& t, int64_t first, int64_t v
   values<V, kMax>(t, first, v_offset, d0, j0, j1, up);
 }
 
-// Keys first..first + W - 1 of every KV head as float, [head][key][D]: read once for every
-// query head (and every token of a run) that scores them. `ahead` (null: none): W slots to
-// ask for, one as each key converts.
-template <class V, int D, typename T>
-inline void key_tile(const T* const* keys, int64_t first, int64_t kv_heads, float* tile,
-                     const T* const* ahead, int64_t v_offset) {
-  for (int j = 0; j < V::W; ++j) {
-    if (ahead != nullptr) prefetch_slot(ahead[j], v_offset, kv_heads * D * sizeof(T));
-    for (int64_t g = 0; g < kv_heads; ++g)
-      for (int c = 0; c < D / V::W; ++c)
-        V::store(tile + (g * V::W + j) * D + V::W * c,
-                 V::load(keys[first + j] + g * D + V::W * c));
-  }
+// Keys first..first + kTiles W - 1 of every KV head as float, W keys a tile, each tile
+// [head][key][D]: read once for every query head (and every token of a run) that scores them.
+// Key j of every tile is read before key j + 1 of any (kKeysAtOnce says why). `ahead`: the
+// first `asks` of the kTiles W slots that follow, asked for one as each key converts.
+template <class V, int D, int kTiles, typename T>
+inline void key_tiles(const T* const* keys, int64_t first, int64_t kv_heads, float* tiles,
+                      const T* const* ahead, int64_t asks, int64_t v_offset) {
+  for (int j = 0; j < V::W; ++j)
+    for (int u = 0; u < kTiles; ++u) {
+      if (u * V::W + j < asks)
+        prefetch_slot(ahead[u * V::W + j], v_offset, kv_heads * D * sizeof(T));
+      const T* key = keys[first + u * V::W + j];
+      float* tile = tiles + u * V::W * kv_heads * D;
+      for (int64_t g = 0; g < kv_heads; ++g)
+        for (int c = 0; c < D / V::W; ++c)
+          V::store(tile + (g * V::W + j) * D + V::W * c, V::load(key + g * D + V::W * c));
+    }
 }
 
 // The scores of kTokens tokens of a run (t[0..]) for keys first..first + W - 1, every head,
@@ -288,9 +292,45 @@ inline void scores(const Token<T>* const* t, const float* tile, int64_t first) {
   }
 }
 
+// Keys key_tiles reads at once, a tile's W after another's in turn. A decode's keys come from
+// memory, a cache block (16 keys, 12 KB of K and V in bf16) after another in no order, and one
+// block read at a time keeps one stream of lines in flight: the core's L2 prefetcher follows a
+// stream a page at a time, and the asks ahead hold L1's few fill buffers. Two blocks read in
+// turn keep two streams (AVX2's 8-key tiles: four tiles, two blocks). Summing 12 KB blocks in
+// random order on 2 Xeon cores (family 6 model 167), one block ahead asked for: 18.7 GB/s one
+// at a time, 23.4 two in turn, 27.8 four. 64 decodes at 300-500 over 30 layers' bf16 caches on
+// shuffled blocks (medians of 16-20, alternated with the old in one process): 41.6-45.3 ms
+// against 45.6-50.4 one tile at a time (AVX2 path 50.7-51.5 against 54.4-55.7); 48 keys at once
+// or 64 no faster; 16 decodes 11.7-12.4 against 13.3-13.9. Where a fresh engine's allocator
+// laid each prompt's blocks in order, 64 decodes gained 1.5-2 % (38.2-38.5 against 38.8-39.4):
+// a long-lived server's blocks come back in no order. A token's arithmetic is unchanged: each
+// tile's scores are computed as before, only the loads' order moved.
+constexpr int kKeysAtOnce = 32;
+
 // Keys a run's weighted sums take at a time: V of one KV head for 64 keys (16 KB at D = 64 in
 // float32) stays in L1 while every token of the run adds them.
 constexpr int64_t kRunValueKeys = 64;
+
+// The scores of every token of a run (or a lone token) whose keys reach `first`, for the tile of
+// keys first..first + W - 1. Two tokens at a time where the registers allow (AVX-512: 16 sums),
+// the longest first: every key register loaded serves both. A 176-token chunk at positions
+// 450-625 on 2 Xeon cores (family 6 model 167): 52.0 ms against 58.4-58.6 one at a time; three,
+// the same.
+template <class V, int D, typename T>
+inline void scores_of_tile(const Token<T>* tokens, int64_t count, const float* tile,
+                           int64_t first) {
+  constexpr int kTogether = V::kRegs == 1 ? 2 : 1;
+  int64_t i = count - 1;
+  for (; i >= kTogether - 1 && first < tokens[i - kTogether + 1].n; i -= kTogether) {
+    const Token<T>* together[kTogether];
+    for (int p = 0; p < kTogether; ++p) together[p] = &tokens[i - p];
+    scores<V, D, kTogether>(together, tile, first);
+  }
+  for (; i >= 0 && first < tokens[i].n; --i) {
+    const Token<T>* one[1] = {&tokens[i]};
+    scores<V, D, 1>(one, tile, first);
+  }
+}
 
 // The tokens of a run (one sequence, consecutive positions; tokens[i].n grows with i, and the
 // last token's keys serve all) or a lone token: each key tile is made once for all of them,
@@ -304,25 +344,25 @@ void attend_vectorized(const Token<T>* tokens, int64_t count, std::vector<float>
   constexpr int kDims = kValueRegs * V::W, kHeads = V::W == 16 ? 4 : 2;
   const Token<T>& last = tokens[count - 1];
   const int64_t kv_heads = last.heads / last.group, kv_bytes = kv_heads * D * sizeof(T);
-  tile.resize(V::W * kv_heads * D);
-  for (int j = 0; j < kLanes; ++j) prefetch_slot(last.keys[j], last.v_offset, kv_bytes);
-  for (int64_t first = 0; first < last.n; first += V::W) {
-    const T* const* ahead = first + kLanes < last.padded ? last.keys + first + kLanes : nullptr;
-    key_tile<V, D>(last.keys, first, kv_heads, tile.data(), ahead, last.v_offset);
-    // Two tokens at a time where the registers allow (AVX-512: 16 sums), the longest first:
-    // every key register loaded serves both. A 176-token chunk at positions 450-625 on 2 Xeon
-    // cores (family 6 model 167): 52.0 ms against 58.4-58.6 one at a time; three, the same.
-    constexpr int kTogether = V::kRegs == 1 ? 2 : 1;
-    int64_t i = count - 1;
-    for (; i >= kTogether - 1 && first < tokens[i - kTogether + 1].n; i -= kTogether) {
-      const Token<T>* together[kTogether];
-      for (int p = 0; p < kTogether; ++p) together[p] = &tokens[i - p];
-      scores<V, D, kTogether>(together, tile.data(), first);
-    }
-    for (; i >= 0 && first < tokens[i].n; --i) {
-      const Token<T>* one[1] = {&tokens[i]};
-      scores<V, D, 1>(one, tile.data(), first);
-    }
+  constexpr int kTiles = kKeysAtOnce / V::W;
+  tile.resize(kKeysAtOnce * kv_heads * D);
+  for (int64_t j = 0; j < std::min<int64_t>(count == 1 ? kKeysAtOnce : V::W, last.padded); ++j)
+    prefetch_slot(last.keys[j], last.v_offset, kv_bytes);
+  for (int64_t first = 0; first < last.n;) {
+    // A run's keys a tile at a time: its tokens' scores read the tiles many times from L1 (a
+    // 400-token chunk's attention took 1.3-1.9 % longer with two); so are the last keys, fewer
+    // than kKeysAtOnce.
+    const bool several = count == 1 && first + kKeysAtOnce <= last.padded;
+    const int64_t keys = several ? kKeysAtOnce : V::W;
+    const int64_t next = first + keys, asks = std::min(keys, last.padded - next);
+    if (several)
+      key_tiles<V, D, kTiles>(last.keys, first, kv_heads, tile.data(), last.keys + next, asks,
+                              last.v_offset);
+    else
+      key_tiles<V, D, 1>(last.keys, first, kv_heads, tile.data(), last.keys + next, asks,
+                         last.v_offset);
+    for (int64_t u = 0; first < next; ++u, first += V::W)
+      scores_of_tile<V, D>(tokens, count, tile.data() + u * V::W * kv_heads * D, first);
   }
   for (int64_t i = 0; i < count; ++i)
     for (int64_t h = 0; h < last.heads; ++h)
