@@ -300,7 +300,7 @@ inline void scores(const Token<T>* const* t, const float* tile, int64_t first) {
 // random order on 2 Xeon cores (family 6 model 167), one block ahead asked for: 18.7 GB/s one
 // at a time, 23.4 two in turn, 27.8 four. 64 decodes at 300-500 over 30 layers' bf16 caches on
 // shuffled blocks (medians of 16-20, alternated with the old in one process): 41.6-45.3 ms
-// against 45.6-50.4 one tile at a time (AVX2 path 50.7-51.5 against 54.4-55.7); 48 keys at once
+// against 45.6-50.5 one tile at a time (AVX2 path 50.7-51.5 against 54.4-56.0); 48 keys at once
 // or 64 no faster; 16 decodes 11.7-12.4 against 13.3-13.9. Where a fresh engine's allocator
 // laid each prompt's blocks in order, 64 decodes gained 1.5-2 % (38.2-38.5 against 38.8-39.4):
 // a long-lived server's blocks come back in no order. A token's arithmetic is unchanged: each
