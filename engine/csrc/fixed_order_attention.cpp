@@ -345,14 +345,15 @@ void attend_vectorized(const Token<T>* tokens, int64_t count, std::vector<float>
   const Token<T>& last = tokens[count - 1];
   const int64_t kv_heads = last.heads / last.group, kv_bytes = kv_heads * D * sizeof(T);
   constexpr int kTiles = kKeysAtOnce / V::W;
+  // A run's keys a tile at a time: its tokens' scores read the tiles many times from L1 (a
+  // 400-token chunk's attention took 1.3-1.9 % longer with two); so are the last keys, fewer
+  // than kKeysAtOnce.
+  const int64_t at_once = count == 1 ? kKeysAtOnce : V::W;
   tile.resize(kKeysAtOnce * kv_heads * D);
-  for (int64_t j = 0; j < std::min<int64_t>(count == 1 ? kKeysAtOnce : V::W, last.padded); ++j)
+  for (int64_t j = 0; j < std::min(at_once, last.padded); ++j)
     prefetch_slot(last.keys[j], last.v_offset, kv_bytes);
   for (int64_t first = 0; first < last.n;) {
-    // A run's keys a tile at a time: its tokens' scores read the tiles many times from L1 (a
-    // 400-token chunk's attention took 1.3-1.9 % longer with two); so are the last keys, fewer
-    // than kKeysAtOnce.
-    const bool several = count == 1 && first + kKeysAtOnce <= last.padded;
+    const bool several = at_once == kKeysAtOnce && first + kKeysAtOnce <= last.padded;
     const int64_t keys = several ? kKeysAtOnce : V::W;
     const int64_t next = first + keys, asks = std::min(keys, last.padded - next);
     if (several)
