@@ -8,8 +8,11 @@ the same results as the torch ops they replace (engine/layer_ops.py), row by row
 """
 
 import itertools
+import platform
+import sys
 import threading
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -100,11 +103,30 @@ def test_matches_float64_attention(dtype, heads, kv_heads, head_dim, block_size)
         torch.testing.assert_close(out.double(), expected, rtol=0, atol=2e-5)
 
 
+@pytest.fixture(params=[False, True], ids=["one_block", "blocks_in_turn"])
+def decode_read_order(request):
+    """Both orders a lone decode can read its keys in, whichever this CPU's default is."""
+    before = kernel.set_decode_blocks_in_turn(request.param)
+    yield
+    kernel.set_decode_blocks_in_turn(before)
+
+
+@pytest.mark.skipif(sys.platform != "linux" or platform.machine() != "x86_64",
+                    reason="reads the x86 vendor id from /proc/cpuinfo")
+def test_decodes_read_blocks_in_turn_by_default_on_intel_only():
+    vendor = next(line.split(":")[1].strip()
+                  for line in Path("/proc/cpuinfo").read_text().splitlines()
+                  if line.startswith("vendor_id"))
+    before = kernel.set_decode_blocks_in_turn(False)
+    kernel.set_decode_blocks_in_turn(before)
+    assert before == (vendor == "GenuineIntel")
+
+
 @pytest.mark.parametrize("path", VECTOR_PATHS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize(("heads", "kv_heads", "head_dim", "block_size"), SHAPES)
 def test_vectorized_attention_computes_the_portable_bits(path, dtype, heads, kv_heads, head_dim,
-                                                         block_size):
+                                                         block_size, decode_read_order):
     require(path)
     for seed in range(3):
         case = paged_case(seed, heads=heads, kv_heads=kv_heads, head_dim=head_dim,

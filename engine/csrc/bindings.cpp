@@ -23,6 +23,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "fixed-order paged attention (CPU; float32 or bfloat16 cache)", py::arg("q"),
         py::arg("cache"), py::arg("block_tables"), py::arg("token_seq"), py::arg("positions"),
         py::arg("scale"), py::arg("path"));
+  m.def("set_decode_blocks_in_turn", &set_decode_blocks_in_turn,
+        "a lone decode reads two cache blocks in turn (or one at a time); returns the old setting",
+        py::arg("on"));
   m.def("add_rms_norm", &add_rms_norm, without_gil, "x += delta; RMSNorm(x), in place on x", py::arg("x"),
         py::arg("delta"), py::arg("weight"), py::arg("eps"), py::arg("bf16_out"), py::arg("path"));
   m.def("rope_write", &rope_write, without_gil, "RoPE on q and k; k and v into the paged cache; q returned",

@@ -304,7 +304,10 @@ inline void scores(const Token<T>* const* t, const float* tile, int64_t first) {
 // or 64 no faster; 16 decodes 11.7-12.4 against 13.3-13.9. Where a fresh engine's allocator
 // laid each prompt's blocks in order, 64 decodes gained 1.5-2 % (38.2-38.5 against 38.8-39.4):
 // a long-lived server's blocks come back in no order. A token's arithmetic is unchanged: each
-// tile's scores are computed as before, only the loads' order moved.
+// tile's scores are computed as before, only the loads' order moved. On 2 Zen 4 cores (AMD
+// family 25 model 17) the same 64 decodes took longer: 34.0-35.2 ms against 32.5-33.6 one tile at
+// a time, the AVX2 path 39.1 against 36.0, and so did 32 keys read tile after tile (33.8 against
+// 31.7), so a decode reads blocks in turn on Intel CPUs only (decode_blocks_in_turn, kernels.h).
 constexpr int kKeysAtOnce = 32;
 
 // Keys a run's weighted sums take at a time: V of one KV head for 64 keys (16 KB at D = 64 in
@@ -348,20 +351,23 @@ void attend_vectorized(const Token<T>* tokens, int64_t count, std::vector<float>
   // A run's keys a tile at a time: its tokens' scores read the tiles many times from L1 (a
   // 400-token chunk's attention took 1.3-1.9 % longer with two); so are the last keys, fewer
   // than kKeysAtOnce.
-  const int64_t at_once = count == 1 ? kKeysAtOnce : V::W;
+  const int64_t at_once = count == 1 && decode_blocks_in_turn() ? kKeysAtOnce : V::W;
+  // The asks stay at least kLanes keys ahead: AVX2's 8-key tiles asking 8 ahead made 64 decodes
+  // 4.1 % slower, 16 decodes 6 %, a 450-token chunk 4.3 % on 2 Zen 4 cores (family 25 model 17).
+  const int64_t distance = std::max<int64_t>(at_once, kLanes);
   tile.resize(kKeysAtOnce * kv_heads * D);
-  for (int64_t j = 0; j < std::min(at_once, last.padded); ++j)
+  for (int64_t j = 0; j < std::min(distance, last.padded); ++j)
     prefetch_slot(last.keys[j], last.v_offset, kv_bytes);
   for (int64_t first = 0; first < last.n;) {
     const bool several = at_once == kKeysAtOnce && first + kKeysAtOnce <= last.padded;
-    const int64_t keys = several ? kKeysAtOnce : V::W;
-    const int64_t next = first + keys, asks = std::min(keys, last.padded - next);
+    const int64_t keys = several ? kKeysAtOnce : V::W, next = first + keys;
+    const int64_t asks = std::clamp<int64_t>(last.padded - (first + distance), 0, keys);
+    const T* const* ahead = asks > 0 ? last.keys + first + distance : nullptr;
     if (several)
-      key_tiles<V, D, kTiles>(last.keys, first, kv_heads, tile.data(), last.keys + next, asks,
+      key_tiles<V, D, kTiles>(last.keys, first, kv_heads, tile.data(), ahead, asks,
                               last.v_offset);
     else
-      key_tiles<V, D, 1>(last.keys, first, kv_heads, tile.data(), last.keys + next, asks,
-                         last.v_offset);
+      key_tiles<V, D, 1>(last.keys, first, kv_heads, tile.data(), ahead, asks, last.v_offset);
     for (int64_t u = 0; first < next; ++u, first += V::W)
       scores_of_tile<V, D>(tokens, count, tile.data() + u * V::W * kv_heads * D, first);
   }
@@ -451,7 +457,19 @@ void attend(const Layout& L, const float* q, int64_t q_stride, float* out, int64
   }
 }
 
+std::atomic<bool> blocks_in_turn{[] {
+#if defined(__x86_64__) || defined(__i386__)
+  __builtin_cpu_init();
+  return __builtin_cpu_is("intel") != 0;
+#else
+  return false;
+#endif
+}()};
 }  // namespace
+
+bool decode_blocks_in_turn() { return blocks_in_turn.load(std::memory_order_relaxed); }
+
+bool set_decode_blocks_in_turn(bool on) { return blocks_in_turn.exchange(on); }
 
 // q: [T, num_heads * head_dim] float32, rows may be strided; cache: [blocks, block_size, 2,
 // kv_heads, head_dim] float32 or bfloat16, contiguous; block_tables: [B, max_blocks] int32;

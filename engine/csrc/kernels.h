@@ -81,6 +81,13 @@ at::Tensor paged_attention(at::Tensor q, at::Tensor cache, at::Tensor block_tabl
                            at::Tensor token_seq, at::Tensor positions, double scale,
                            const std::string& path);
 
+// Whether a lone decode's attention reads two cache blocks' keys in turn or one block at a time
+// (fixed_order_attention.cpp's kKeysAtOnce): the same bits either way. On by default on Intel
+// CPUs, where it measured faster, off elsewhere (slower on AMD Zen 4); tests set both. The setter
+// returns the setting it replaced.
+bool decode_blocks_in_turn();
+bool set_decode_blocks_in_turn(bool on);
+
 at::Tensor add_rms_norm(at::Tensor x, c10::optional<at::Tensor> delta,
                         at::Tensor weight, double eps, bool bf16_out,
                         const std::string& path);
