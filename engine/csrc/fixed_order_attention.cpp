@@ -106,12 +106,7 @@ struct Upcoming {
 // 0.5-2.7 % faster, 64 1.9 % faster, 128 1.1 % slower (none 15.2-15.7 ms); 64 decodes 58.4 ms
 // at 32, 59.9 with none, 61.9 at 4. Its AVX2 path measured within 2 % of none at 32 to 128.
 inline int64_t upcoming_every(Path path) {
-#if defined(INHERENT_AVX512)  // __builtin_cpu_is exists on x86 only
-  static const bool intel = __builtin_cpu_is("intel");
-  if (path == Path::kAvx512 && !intel) return 4;
-#endif
-  (void)path;
-  return 32;
+  return path == Path::kAvx512 && !intel_cpu() ? 4 : 32;
 }
 
 // ---- Portable implementation ---------------------------------------------------------------
@@ -457,14 +452,7 @@ void attend(const Layout& L, const float* q, int64_t q_stride, float* out, int64
   }
 }
 
-std::atomic<bool> blocks_in_turn{[] {
-#if defined(__x86_64__) || defined(__i386__)
-  __builtin_cpu_init();
-  return __builtin_cpu_is("intel") != 0;
-#else
-  return false;
-#endif
-}()};
+std::atomic<bool> blocks_in_turn{intel_cpu()};
 }  // namespace
 
 bool decode_blocks_in_turn() { return blocks_in_turn.load(std::memory_order_relaxed); }

@@ -50,6 +50,20 @@ inline bool path_available(Path p) {
   return false;
 }
 
+// Whether the CPU is Intel's: where the kernels' memory asks measured apart on Intel and AMD
+// cores, they follow the vendor (fixed_order_attention.cpp). False off x86.
+inline bool intel_cpu() {
+#if defined(__x86_64__) || defined(__i386__)
+  static const bool intel = [] {
+    __builtin_cpu_init();
+    return __builtin_cpu_is("intel") != 0;
+  }();
+  return intel;
+#else
+  return false;
+#endif
+}
+
 // "auto", "avx512", "avx2" or "portable" -> the path to run; a named path this build or CPU
 // lacks is an error, never a silent substitute (a test forcing it must not pass vacuously).
 inline Path resolve_path(const std::string& name) {
