@@ -345,7 +345,7 @@ void attend_vectorized(const Token<T>* tokens, int64_t count, std::vector<float>
   constexpr int kTiles = kKeysAtOnce / V::W;
   // A run's keys a tile at a time: its tokens' scores read the tiles many times from L1 (a
   // 400-token chunk's attention took 1.3-1.9 % longer with two); so are the last keys, fewer
-  // than kKeysAtOnce.
+  // than kKeysAtOnce, and a decode's where blocks in turn are off (kKeysAtOnce says why).
   const int64_t at_once = count == 1 && decode_blocks_in_turn() ? kKeysAtOnce : V::W;
   // The asks stay at least kLanes keys ahead: AVX2's 8-key tiles asking 8 ahead made 64 decodes
   // 4.1 % slower, 16 decodes 6 %, a 450-token chunk 4.3 % on 2 Zen 4 cores (family 25 model 17).
@@ -452,7 +452,7 @@ void attend(const Layout& L, const float* q, int64_t q_stride, float* out, int64
   }
 }
 
-std::atomic<bool> blocks_in_turn{intel_cpu()};
+std::atomic<bool> blocks_in_turn{intel_cpu()};  // decode_blocks_in_turn (kernels.h)
 }  // namespace
 
 bool decode_blocks_in_turn() { return blocks_in_turn.load(std::memory_order_relaxed); }
