@@ -83,8 +83,8 @@ at::Tensor paged_attention(at::Tensor q, at::Tensor cache, at::Tensor block_tabl
 
 // Whether a lone decode's attention reads two cache blocks' keys in turn or one block at a time
 // (fixed_order_attention.cpp's kKeysAtOnce): the same bits either way. On by default on Intel
-// CPUs, where it measured faster, off elsewhere (slower on AMD Zen 4); tests set both. The setter
-// returns the setting it replaced.
+// CPUs, where it measured faster, off elsewhere (slower on AMD Zen 4, no faster on Zen 5); tests
+// set both. The setter returns the setting it replaced.
 bool decode_blocks_in_turn();
 bool set_decode_blocks_in_turn(bool on);
 
