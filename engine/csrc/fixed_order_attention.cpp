@@ -304,8 +304,10 @@ inline void scores(const Token<T>* const* t, const float* tile, int64_t first) {
 // a time, the AVX2 path 39.1 against 36.0, and so did 32 keys read tile after tile (33.8 against
 // 31.7). On 2 Zen 5 cores (family 26 model 2), whose L1 holds 48 KB as the Xeon's does, 64
 // decodes ran 25.3 ms against 25.0, 16 decodes 7.97 against 7.85 (the AVX2 path 30.6 against 32.7,
-// one decode alone 0.91 against 1.03). So a decode reads blocks in turn on Intel CPUs only
-// (decode_blocks_in_turn, kernels.h).
+// one decode alone 0.91 against 1.03); with caches of one KV head (an 8 KB tile) 8.8 against
+// 11.6, yet the engine's own steps with the bundled model cut to one KV head (64 decodes at 400)
+// ran 66.8 against 64.9 ms, and its batch-1 decodes at 2,000 ran even. So a decode reads blocks
+// in turn on Intel CPUs only (decode_blocks_in_turn, kernels.h).
 constexpr int kKeysAtOnce = 32;
 
 // Keys a run's weighted sums take at a time: V of one KV head for 64 keys (16 KB at D = 64 in
