@@ -355,7 +355,7 @@ at::Tensor bf16_linear(at::Tensor x, at::Tensor packed, int64_t columns,
   // x as bf16 pairs, an odd k padded with zero
   const uint32_t* xp = reinterpret_cast<const uint32_t*>(bf16_rows(x, rows, 2 * pairs));
   constexpr int64_t kRowBlock = 6;  // 6 rows x 2 panels: 12 accumulators
-  constexpr int64_t kAskRows = 4;
+  constexpr int64_t kAskRows = 2;
   // Threads split panel pairs; every thread runs all rows over its panels (the panel stays
   // in L1 while the rows, a few hundred KB of bf16, stream from L2).
   // From kAskRows rows, while a thread's row blocks run over a panel pair, each asks for its
@@ -365,7 +365,12 @@ at::Tensor bf16_linear(at::Tensor x, at::Tensor packed, int64_t columns,
   // medians of 9 calls after a 320 MB sweep each, builds alternated six times): 4 rows 4.3-4.6
   // against 5.0-5.2 ms, 16 rows 7.6-8.1 against 8.7-9.0 (the weights in cache: 4.8), 192 rows
   // 51-54 against 55-56; at 1 row, where a pair's dot products are short, 5 % slower, at 2-3
-  // rows the same. Asking never changes a result's bits.
+  // rows the same. A later session there, on an hour when torch's matrix-vector product read
+  // 73-77 GB/s, asking from 2 rows against from 4 in one process (the 120 matmuls and the LM
+  // head, medians of 24 after a 400 MB sweep each, twice): 2 rows 6.9-7.2 against 7.7-8.1 ms, 3
+  // rows 7.7-7.9 against 8.8-9.1; 1 row asking 7.10 against 7.02; the engine's decode steps of 2
+  // and 3 sequences at 450, 12.0 against 12.5 ms and 14.1 against 15.3. Asking never changes a
+  // result's bits.
   // panel_pair by row count: full blocks, then the remainder's instance
   using Block = void (*)(const uint32_t*, int64_t, const uint32_t*, int64_t, int64_t, float*,
                          int64_t, const uint32_t*, int64_t, int64_t);
