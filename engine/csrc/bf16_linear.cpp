@@ -355,22 +355,25 @@ at::Tensor bf16_linear(at::Tensor x, at::Tensor packed, int64_t columns,
   // x as bf16 pairs, an odd k padded with zero
   const uint32_t* xp = reinterpret_cast<const uint32_t*>(bf16_rows(x, rows, 2 * pairs));
   constexpr int64_t kRowBlock = 6;  // 6 rows x 2 panels: 12 accumulators
-  constexpr int64_t kAskRows = 2;
+  constexpr int64_t kAheadLines = 32;  // how far one row asks ahead of its own loads
   // Threads split panel pairs; every thread runs all rows over its panels (the panel stays
   // in L1 while the rows, a few hundred KB of bf16, stream from L2).
-  // From kAskRows rows, while a thread's row blocks run over a panel pair, each asks for its
-  // share of the next pair's lines into L2: the hardware prefetchers stop at every 4 KB page,
-  // and the panels' reads from memory did not overlap the dot products. The bundled model's
-  // 120 decoder matmuls, weights out of cache (2 Zen 5 cores, AMD EPYC family 26 model 2,
-  // medians of 9 calls after a 320 MB sweep each, builds alternated six times): 4 rows 4.3-4.6
-  // against 5.0-5.2 ms, 16 rows 7.6-8.1 against 8.7-9.0 (the weights in cache: 4.8), 192 rows
-  // 51-54 against 55-56; at 1 row, where a pair's dot products are short, 5 % slower, at 2-3
-  // rows the same. A later session there, on an hour when torch's matrix-vector product read
-  // 73-77 GB/s, asking from 2 rows against from 4 in one process (the 120 matmuls and the LM
-  // head, medians of 24 after a 400 MB sweep each, twice): 2 rows 6.9-7.2 against 7.7-8.1 ms, 3
-  // rows 7.7-7.9 against 8.8-9.1; 1 row asking 7.10 against 7.02; the engine's decode steps of 2
-  // and 3 sequences at 450, 12.0 against 12.5 ms and 14.1 against 15.3. Asking never changes a
-  // result's bits.
+  // While a thread's row blocks run over a panel pair, each asks for its share of the next
+  // pair's lines into L2: the hardware prefetchers stop at every 4 KB page, and the panels'
+  // reads from memory did not overlap the dot products. The bundled model's 120 decoder
+  // matmuls, weights out of cache (2 Zen 5 cores, AMD EPYC family 26 model 2, medians of 9 calls
+  // after a 320 MB sweep each, builds alternated six times): 4 rows 4.3-4.6 against 5.0-5.2 ms,
+  // 16 rows 7.6-8.1 against 8.7-9.0 (the weights in cache: 4.8), 192 rows 51-54 against 55-56.
+  // A later session there, on an hour when torch's matrix-vector product read 73-77 GB/s (the
+  // 120 matmuls and the LM head, medians of 16-24 after a 400 MB sweep each, in one process):
+  // 2 rows 6.9-7.2 against 7.7-8.1 ms, 3 rows 7.7-7.9 against 8.8-9.1; the engine's decode steps
+  // of 2 and 3 sequences at 450, 12.0 against 12.5 ms and 14.1 against 15.3. One row's dot
+  // products are too short to cover a whole pair's asks (7.10 against 7.02 ms): it asks for the
+  // lines kAheadLines beyond its loads instead: 5.85-6.17 against 6.27-6.75 without asks, 6.83
+  // against 7.48 in a slower minute (16 lines 6.59, 48 5.94, 64 5.81-6.22, 96 6.00, 128 6.06);
+  // more rows asking so lost 4 % at 4, 6 and 16 rows and tied at 2-3. The bench's batch-1
+  // decode (the median gap of 64 tokens), asking so against not, alternated in one process:
+  // 7.25 against 7.45 ms, faster in 12 of 12 pairs. Asking never changes a result's bits.
   // panel_pair by row count: full blocks, then the remainder's instance
   using Block = void (*)(const uint32_t*, int64_t, const uint32_t*, int64_t, int64_t, float*,
                          int64_t, const uint32_t*, int64_t, int64_t);
@@ -379,8 +382,17 @@ at::Tensor bf16_linear(at::Tensor x, at::Tensor packed, int64_t columns,
   const int64_t blocks = (rows + kRowBlock - 1) / kRowBlock;
   at::parallel_for(0, num_panels / 2, 16, [&](int64_t begin, int64_t end) {
     for (int64_t pp = begin; pp < end; ++pp) {
-      const uint32_t* next = wp + 2 * (pp + 1) * stride * kPanel;
-      const bool ask = rows >= kAskRows && pp + 1 < end;
+      const uint32_t* pair = wp + 2 * pp * stride * kPanel;
+      if (rows == 1) {  // past this pair's end, the next pair's lines; never past the weight's
+        const int64_t asks = pp + 1 < num_panels / 2
+                                 ? pairs
+                                 : std::clamp<int64_t>(stride - kAheadLines, 0, pairs);
+        panel_pair<1>(xp, pairs, wp, stride, 2 * pp, op, columns, pair + kAheadLines * kPanel,
+                      0, asks);
+        continue;
+      }
+      const uint32_t* next = pair + 2 * stride * kPanel;
+      const bool ask = pp + 1 < end;
       for (int64_t b = 0, r = 0; r < rows; ++b, r += kRowBlock)  // block b: its share
         by_rows[std::min(kRowBlock, rows - r)](xp + r * pairs, pairs, wp, stride, 2 * pp,
                                                op + r * columns, columns, next,
