@@ -383,21 +383,19 @@ at::Tensor bf16_linear(at::Tensor x, at::Tensor packed, int64_t columns,
   at::parallel_for(0, num_panels / 2, 16, [&](int64_t begin, int64_t end) {
     for (int64_t pp = begin; pp < end; ++pp) {
       const uint32_t* pair = wp + 2 * pp * stride * kPanel;
-      if (rows == 1) {  // past this pair's end, the next pair's lines; never past the weight's
-        const int64_t asks = pp + 1 < num_panels / 2
-                                 ? pairs
-                                 : std::clamp<int64_t>(stride - kAheadLines, 0, pairs);
-        panel_pair<1>(xp, pairs, wp, stride, 2 * pp, op, columns, pair + kAheadLines * kPanel,
-                      0, asks);
-        continue;
-      }
-      const uint32_t* next = pair + 2 * stride * kPanel;
-      const bool ask = pp + 1 < end;
+      // One row: its own lines kAheadLines on (past this pair's end, the next pair's; never past
+      // the weight's). More: the next pair's, within this thread's pairs.
+      const bool one = rows == 1;
+      const uint32_t* ask = one ? pair + kAheadLines * kPanel : pair + 2 * stride * kPanel;
+      const int64_t ask_pairs =
+          one ? (pp + 1 < num_panels / 2 ? pairs
+                                         : std::clamp<int64_t>(stride - kAheadLines, 0, pairs))
+              : (pp + 1 < end ? pairs : 0);
       for (int64_t b = 0, r = 0; r < rows; ++b, r += kRowBlock)  // block b: its share
         by_rows[std::min(kRowBlock, rows - r)](xp + r * pairs, pairs, wp, stride, 2 * pp,
-                                               op + r * columns, columns, next,
-                                               ask ? b * pairs / blocks : 0,
-                                               ask ? (b + 1) * pairs / blocks : 0);
+                                               op + r * columns, columns, ask,
+                                               b * ask_pairs / blocks,
+                                               (b + 1) * ask_pairs / blocks);
     }
   });
 #endif
