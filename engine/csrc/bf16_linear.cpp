@@ -91,29 +91,29 @@ const at::BFloat16* bf16_rows(const at::Tensor& x, int64_t padded_rows, int64_t 
 #if defined(__AVX512BF16__)
 constexpr bool kSupported = true;
 
-// kRows rows of x (bf16 pairs, `pairs` per row) times panels p0, p0 + 1 (`stride` pairs each)
-// into out[rows][columns]; k pairs ask_begin..ask_end - 1 of the panel pair at `ask` are asked
-// for into L2 meanwhile (bf16_linear).
-template <int kRows>
-void panel_pair(const uint32_t* x, int64_t pairs, const uint32_t* panels, int64_t stride,
-                int64_t p0, float* out, int64_t columns, const uint32_t* ask, int64_t ask_begin,
-                int64_t ask_end) {
-  const int64_t np = std::min<int64_t>(2, (columns - p0 * kPanel + kPanel - 1) / kPanel);
-  __m512 acc[kRows][2];
-  for (int r = 0; r < kRows; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
-  const uint32_t* w0 = panels + p0 * stride * kPanel;
-  const uint32_t* w1 = w0 + stride * kPanel;
+// kRows rows of x (bf16 pairs, `pairs` per row) times kPanels panels from p0 (`stride` pairs
+// each) into out[rows][columns]; k pairs ask_begin..ask_end - 1 of the kPanels panels at `ask`
+// are asked for into L2 meanwhile (bf16_linear).
+template <int kRows, int kPanels>
+void panel_group(const uint32_t* x, int64_t pairs, const uint32_t* panels, int64_t stride,
+                 int64_t p0, float* out, int64_t columns, const uint32_t* ask, int64_t ask_begin,
+                 int64_t ask_end) {
+  const int64_t np = std::min<int64_t>(kPanels, (columns - p0 * kPanel + kPanel - 1) / kPanel);
+  __m512 acc[kRows][kPanels];
+  for (int r = 0; r < kRows; ++r)
+    for (int j = 0; j < kPanels; ++j) acc[r][j] = _mm512_setzero_ps();
+  const uint32_t* w = panels + p0 * stride * kPanel;
   for (int64_t k = 0; k < pairs; ++k) {
     if (k >= ask_begin && k < ask_end) {
-      _mm_prefetch(reinterpret_cast<const char*>(ask + k * kPanel), _MM_HINT_T1);
-      _mm_prefetch(reinterpret_cast<const char*>(ask + (stride + k) * kPanel), _MM_HINT_T1);
+      for (int j = 0; j < kPanels; ++j)
+        _mm_prefetch(reinterpret_cast<const char*>(ask + (j * stride + k) * kPanel), _MM_HINT_T1);
     }
-    const __m512bh b0 = (__m512bh)_mm512_loadu_si512(w0 + k * kPanel);
-    const __m512bh b1 = (__m512bh)_mm512_loadu_si512(w1 + k * kPanel);  // panels: even
+    __m512bh b[kPanels];
+    for (int j = 0; j < kPanels; ++j)  // panels: even, so a group's are all there
+      b[j] = (__m512bh)_mm512_loadu_si512(w + (j * stride + k) * kPanel);
     for (int r = 0; r < kRows; ++r) {
       const __m512bh a = (__m512bh)_mm512_set1_epi32(static_cast<int>(x[r * pairs + k]));
-      acc[r][0] = _mm512_dpbf16_ps(acc[r][0], a, b0);
-      acc[r][1] = _mm512_dpbf16_ps(acc[r][1], a, b1);
+      for (int j = 0; j < kPanels; ++j) acc[r][j] = _mm512_dpbf16_ps(acc[r][j], a, b[j]);
     }
   }
   for (int64_t p = 0; p < np; ++p) {
@@ -355,7 +355,7 @@ at::Tensor bf16_linear(at::Tensor x, at::Tensor packed, int64_t columns,
   // x as bf16 pairs, an odd k padded with zero
   const uint32_t* xp = reinterpret_cast<const uint32_t*>(bf16_rows(x, rows, 2 * pairs));
   constexpr int64_t kRowBlock = 6;  // 6 rows x 2 panels: 12 accumulators
-  constexpr int64_t kAheadLines = 32;  // how far one row asks ahead of its own loads
+  constexpr int64_t kAheadLines = 16;  // how far one row asks ahead of its own loads
   // Threads split panel pairs; every thread runs all rows over its panels (the panel stays
   // in L1 while the rows, a few hundred KB of bf16, stream from L2).
   // While a thread's row blocks run over a panel pair, each asks for its share of the next
@@ -369,28 +369,40 @@ at::Tensor bf16_linear(at::Tensor x, at::Tensor packed, int64_t columns,
   // 2 rows 6.9-7.2 against 7.7-8.1 ms, 3 rows 7.7-7.9 against 8.8-9.1; the engine's decode steps
   // of 2 and 3 sequences at 450, 12.0 against 12.5 ms and 14.1 against 15.3. One row's dot
   // products are too short to cover a whole pair's asks (7.10 against 7.02 ms): it asks for the
-  // lines kAheadLines beyond its loads instead: 5.85-6.17 against 6.27-6.75 without asks, 6.83
-  // against 7.48 in a slower minute (16 lines 6.59, 48 5.94, 64 5.81-6.22, 96 6.00, 128 6.06);
-  // more rows asking so lost 4 % at 4, 6 and 16 rows and tied at 2-3. The bench's batch-1
-  // decode (the median gap of 64 tokens), asking so against not, alternated in one process:
-  // 7.25 against 7.45 ms, faster in 12 of 12 pairs. Asking never changes a result's bits.
-  // panel_pair by row count: full blocks, then the remainder's instance
+  // lines beyond its loads instead, 32 on: 5.85-6.17 against 6.27-6.75 without asks (16 lines
+  // 6.59, 48 5.94, 64 5.81-6.22, 128 6.06); more rows asking so lost 4 % at 4, 6 and 16 rows.
+  // On a Zen 4 (family 25 model 17, 2 cores, the same 121 matmuls alternated in one process,
+  // medians of 10) one row reads two pairs at a time, four streams of weights instead of two,
+  // each asked 16 lines on: 7.77, 8.92 and 9.75 ms in three runs against 8.27, 9.22 and 9.99
+  // for one pair asking 32 on (two pairs asking 32 on: 8.27, 8.98, 9.81); 2 and 3 rows read so
+  // tied or lost. Not measured on the Zen 5. Asking never changes a result's bits, nor does the
+  // number of panels a pass (each column keeps its one chain over k).
+  // by row count, one pair: full blocks, then the remainder's instance
   using Block = void (*)(const uint32_t*, int64_t, const uint32_t*, int64_t, int64_t, float*,
                          int64_t, const uint32_t*, int64_t, int64_t);
-  constexpr Block by_rows[kRowBlock + 1] = {nullptr, panel_pair<1>, panel_pair<2>, panel_pair<3>,
-                                            panel_pair<4>, panel_pair<5>, panel_pair<6>};
+  constexpr Block by_rows[kRowBlock + 1] = {nullptr,           panel_group<1, 2>,
+                                            panel_group<2, 2>, panel_group<3, 2>,
+                                            panel_group<4, 2>, panel_group<5, 2>,
+                                            panel_group<6, 2>};
   const int64_t blocks = (rows + kRowBlock - 1) / kRowBlock;
   at::parallel_for(0, num_panels / 2, 16, [&](int64_t begin, int64_t end) {
-    for (int64_t pp = begin; pp < end; ++pp) {
-      const uint32_t* pair = wp + 2 * pp * stride * kPanel;
-      // One row: its own lines kAheadLines on (past this pair's end, the next pair's; never past
-      // the weight's). More: the next pair's, within this thread's pairs.
+    for (int64_t pp = begin, group; pp < end; pp += group) {
+      // One row: two pairs at a time where this thread has them, asking for its own lines
+      // kAheadLines on (past the group's end, the next group's; never past the weight's). More
+      // rows: one pair at a time, asking for the next pair's lines within this thread's pairs.
       const bool one = rows == 1;
+      group = one && pp + 1 < end ? 2 : 1;
+      const uint32_t* pair = wp + 2 * pp * stride * kPanel;
       const uint32_t* ask = one ? pair + kAheadLines * kPanel : pair + 2 * stride * kPanel;
       const int64_t ask_pairs =
-          one ? (pp + 1 < num_panels / 2 ? pairs
-                                         : std::clamp<int64_t>(stride - kAheadLines, 0, pairs))
+          one ? (pp + group < num_panels / 2
+                     ? pairs
+                     : std::clamp<int64_t>(stride - kAheadLines, 0, pairs))
               : (pp + 1 < end ? pairs : 0);
+      if (group == 2) {
+        panel_group<1, 4>(xp, pairs, wp, stride, 2 * pp, op, columns, ask, 0, ask_pairs);
+        continue;
+      }
       for (int64_t b = 0, r = 0; r < rows; ++b, r += kRowBlock)  // block b: its share
         by_rows[std::min(kRowBlock, rows - r)](xp + r * pairs, pairs, wp, stride, 2 * pp,
                                                op + r * columns, columns, ask,
