@@ -371,12 +371,14 @@ at::Tensor bf16_linear(at::Tensor x, at::Tensor packed, int64_t columns,
   // products are too short to cover a whole pair's asks (7.10 against 7.02 ms): it asks for the
   // lines beyond its loads instead, 32 on: 5.85-6.17 against 6.27-6.75 without asks (16 lines
   // 6.59, 48 5.94, 64 5.81-6.22, 128 6.06); more rows asking so lost 4 % at 4, 6 and 16 rows.
-  // On a Zen 4 (family 25 model 17, 2 cores, the same 121 matmuls alternated in one process,
-  // medians of 10) one row reads two pairs at a time, four streams of weights instead of two,
-  // each asked 16 lines on: 7.77, 8.92 and 9.75 ms in three runs against 8.27, 9.22 and 9.99
-  // for one pair asking 32 on (two pairs asking 32 on: 8.27, 8.98, 9.81); 2 and 3 rows read so
-  // tied or lost. Not measured on the Zen 5. Asking never changes a result's bits, nor does the
-  // number of panels a pass (each column keeps its one chain over k).
+  // On a Zen 4 (family 25 model 17, 2 cores; the 120 decoder matmuls as the engine fuses them
+  // and the LM head, alternated in one process, medians of 12) one row reads two pairs at a
+  // time, four streams of weights instead of two, each asked 16 lines on: 8.48, 8.04 and 9.14
+  // ms in three runs against 9.49, 8.57 and 10.04 for one pair asking 32 on (8 lines 8.56, 24
+  // 8.69, four pairs 8.62; two pairs asking for the next two 9.96); the engine's batch-1 decode
+  // 10.01 against 10.54 ms, faster in 13 of 16. 2 and 3 rows read so tied or lost (8.46 against
+  // 8.44, 8.55 against 8.22). Not measured on the Zen 5. Asking never changes a result's bits,
+  // nor does the number of panels a pass (each column keeps its one chain over k).
   // by row count, one pair: full blocks, then the remainder's instance
   using Block = void (*)(const uint32_t*, int64_t, const uint32_t*, int64_t, int64_t, float*,
                          int64_t, const uint32_t*, int64_t, int64_t);
