@@ -17,9 +17,10 @@
 // Weights are packed once into panels of 16 output columns, k in pairs: [N/16][K/2][16][2], the
 // layout vdpbf16ps reads (each 32-bit lane holds one column's pair) and an AMX B tile is (16 k
 // pairs of a panel: 1 KB). Panels are padded to an even count and pairs to a multiple of 16
-// (whole tiles). vdpbf16ps broadcasts a row of x's bf16 pairs against two panels; AMX runs
-// 32 rows x 32 columns (2 A tiles, 2 B tiles, 4 accumulator tiles) per pass over k, or, for up
-// to 16 rows, 16 x 64 (1 A tile, 4 panels, 4 accumulator tiles: amx_quad).
+// (whole tiles). vdpbf16ps broadcasts a row of x's bf16 pairs against two panels (a lone row:
+// four, for more streams from memory); AMX runs 32 rows x 32 columns (2 A tiles, 2 B tiles, 4
+// accumulator tiles) per pass over k, or, for up to 16 rows, 16 x 64 (1 A tile, 4 panels, 4
+// accumulator tiles: amx_quad).
 #include "kernels.h"
 
 #include <ATen/Parallel.h>
