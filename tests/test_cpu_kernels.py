@@ -503,7 +503,7 @@ def test_vectorized_quant_linear_computes_the_portable_bits(path, qtype, in_feat
     linear = kernel.QuantLinear(blocks, qtype, in_features)
     x = torch.randn(39, in_features, generator=torch.Generator().manual_seed(8)) * 3
     # block tiles below 5 rows (AVX2) or 8 (AVX-512), dequantized panels from there in tiles of
-    # up to 6 or 12 rows (AVX2's 13: 5 + 4 + 4; 53 columns: a partial panel)
+    # up to 6 rows (13: 5 + 4 + 4; 53 columns: a partial panel)
     for rows in (1, 2, 3, 4, 5, 7, 8, 11, 13, 16, 17, 39):
         assert same_bits(linear(x[:rows], path=path), linear(x[:rows], path="portable"))
 

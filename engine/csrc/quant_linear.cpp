@@ -227,10 +227,13 @@ void run_rest(int64_t left, const float* x, int64_t x_stride, int64_t rows, int6
 // the dequantized weights: at 8 rows 0.96-0.99 against 1.07-1.16 ms (oneDNN 0.9); 32 rows
 // 1.99 against 2.31-2.38 (1.8-2.0); 192 rows 9.2 against 12.6-12.8 (8.6-9.3); 512 rows 24.5
 // against 32.5-33.5 (22.8-23.5). The tiles took 0.80-1.09 ms at 6-7 rows, the panel 0.77-0.97.
-// AVX-512 has 32 registers: tiles of 12 rows (24 sums, 24 FMAs to 14 loads). On 2 Ice Lake cores
-// (Intel Xeon family 6 model 106, no bf16), bench.model_step --crossover-only, three alternated
-// runs, against 6 rows: 128 rows 6.3-7.7 against 7.5-7.6 ms, 256 rows 10.8-12.1 against
-// 13.0-17.0, 512 rows 17.6-22.3 against 24.6-30.9 (oneDNN 12.5-18.9 in the same runs).
+// AVX-512 has 32 registers: tiles of 6 rows by 4 registers (24 sums, 24 FMAs to 10 loads), the
+// chains' loop taking two steps a pass. On Ice Lake (Intel Xeon family 6 model 106, no bf16)
+// they replaced tiles of 12 rows by 2 registers, a step a pass (24 FMAs to 14 loads), which had
+// beaten 6 rows by 2: a layer's four matmuls, the two alternated in one process, medians of 12,
+// one core 2.39, 6.25, 15.8 and 37.2 ms at 16, 64, 256 and 512 rows against 2.63, 6.99, 17.7 and
+// 42.7 (oneDNN's float32 GEMM 2.27, 5.35, 14.7 and 32.5); two cores 2.20 and 11.5 ms at 32 and
+// 256 rows against 2.42 and 13.0 (oneDNN 2.14 and 10.1); bits unchanged.
 // A panel is built from the blocks' integers transposed 8 columns at a time, then dequantized
 // with each column's d and m as vector lanes, straight into place. It was built from floats,
 // each block dequantized, stored in column order and transposed from there: on 2 Zen 2 cores
@@ -246,55 +249,61 @@ void run_rest(int64_t left, const float* x, int64_t x_stride, int64_t rows, int6
 // near 20 rows there, but on that kind the engine runs the blocks below 8 rows only, and not
 // at all in batch-invariant mode (the bf16 kernel takes the rest, engine/model.py); the
 // AVX-512 kinds that run blocks from 8 rows, those without bf16 (Ice Lake), are unmeasured.
-template <class V>
+template <class Vec>
 struct Outer {
+  using V = Vec;
   static constexpr int64_t kMinRows = V::W == 16 ? 8 : 5;
-  // rows a tile, times 2 registers of outputs: 24 or 12 sums
-  static constexpr int kRows = V::W == 16 ? 12 : 6;
-  static constexpr int kCols = 2 * V::W;        // outputs a tile
-  static constexpr int kPanel = 2 * kCols;      // outputs a panel: x's rows serve two tiles
+  static constexpr int kRows = 6;                   // rows a tile
+  static constexpr int kRegs = V::W == 16 ? 4 : 2;  // registers of outputs a row: 24 or 12 sums
+  static constexpr int kCols = kRegs * V::W;        // outputs a tile
+  static constexpr int kPanel = 4 * V::W;           // outputs a panel: x's rows serve its tiles
+  // steps a pass of the chains' loop (k / 16 is even: blocks of 32); AVX2 has no registers for
+  // a second step's weights
+  static constexpr int kUnroll = V::W == 16 ? 2 : 1;
   // floats from one lane's weights to the next's: a step more than they hold, so that lanes a
   // multiple of 4 KB apart (12 KB at k = 1536) do not share L1 sets
   static int64_t lane_stride(int64_t steps) { return (steps + 1) * kPanel; }
 };
 
-// Lane l's chains for R rows x Outer::kCols outputs: xl[r] the lane's x elements of row r
+// Lane l's chains for R rows x O::kCols outputs: xl[r] the lane's x elements of row r
 // (x[k] for k = l, l + 16, ...), wl the panel's weights of those k, kPanel floats a step.
-template <class V, int R>
+template <class O, int R>
 void outer_lane(const float* const* xl, const float* wl, int64_t steps, float* partial) {
+  using V = typename O::V;
   using F = typename V::F;
-  constexpr int kPanel = Outer<V>::kPanel;
-  F acc[R][2];
-  for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = V::zero();
-  for (int64_t m = 0; m < steps; ++m) {
-    const F w0 = V::load(wl + m * kPanel), w1 = V::load(wl + m * kPanel + V::W);
-    for (int r = 0; r < R; ++r) {
-      const F xb = V::set1(xl[r][m]);
-      acc[r][0] = V::fma(xb, w0, acc[r][0]);
-      acc[r][1] = V::fma(xb, w1, acc[r][1]);
-    }
-  }
+  F acc[R][O::kRegs];
   for (int r = 0; r < R; ++r)
-    for (int v = 0; v < 2; ++v) V::store(partial + (2 * r + v) * V::W, acc[r][v]);
+    for (int v = 0; v < O::kRegs; ++v) acc[r][v] = V::zero();
+  for (int64_t m = 0; m < steps; m += O::kUnroll)
+    for (int u = 0; u < O::kUnroll; ++u) {
+      F w[O::kRegs];
+      for (int v = 0; v < O::kRegs; ++v) w[v] = V::load(wl + (m + u) * O::kPanel + v * V::W);
+      for (int r = 0; r < R; ++r) {
+        const F xb = V::set1(xl[r][m + u]);
+        for (int v = 0; v < O::kRegs; ++v) acc[r][v] = V::fma(xb, w[v], acc[r][v]);
+      }
+    }
+  for (int r = 0; r < R; ++r)
+    for (int v = 0; v < O::kRegs; ++v) V::store(partial + (O::kRegs * r + v) * V::W, acc[r][v]);
 }
 
 // Rows [r0, r0 + R) x the panel's outputs [t, t + kCols): all 16 lanes, then their sums.
 // xt: x transposed per row to [lane][k / 16]; panel: [lane][k / 16][kPanel].
-template <class V, int R>
+template <class O, int R>
 void outer_tile(const float* xt, int64_t k, int64_t r0, const float* panel, int64_t t,
                 int64_t c0, int64_t col_end, float* out, int64_t cols) {
+  using V = typename O::V;
   using F = typename V::F;
-  constexpr int kCols = Outer<V>::kCols;
   const int64_t steps = k / kLanes;
-  alignas(64) float partial[kLanes][R * kCols];
+  alignas(64) float partial[kLanes][R * O::kCols];
   for (int l = 0; l < kLanes; ++l) {
     const float* xl[R];
     for (int r = 0; r < R; ++r) xl[r] = xt + (r0 + r) * k + l * steps;
-    outer_lane<V, R>(xl, panel + l * Outer<V>::lane_stride(steps) + t, steps, partial[l]);
+    outer_lane<O, R>(xl, panel + l * O::lane_stride(steps) + t, steps, partial[l]);
   }
   for (int r = 0; r < R; ++r)
-    for (int v = 0; v < 2; ++v) {
-      const int at = (2 * r + v) * V::W;
+    for (int v = 0; v < O::kRegs; ++v) {
+      const int at = (O::kRegs * r + v) * V::W;
       F half[kLanes / 2], quarter[kLanes / 4];
       for (int l = 0; l < kLanes / 2; ++l)
         half[l] = V::add(V::load(partial[l] + at), V::load(partial[l + kLanes / 2] + at));
@@ -309,12 +318,12 @@ void outer_tile(const float* xt, int64_t k, int64_t r0, const float* panel, int6
 }
 
 // A tile of `height` rows (R counts up to it).
-template <class V, int R = 1>
+template <class O, int R = 1>
 void outer_rows(int64_t height, const float* xt, int64_t k, int64_t r0, const float* panel,
                 int64_t t, int64_t c0, int64_t col_end, float* out, int64_t cols) {
-  if constexpr (R <= Outer<V>::kRows) {
-    if (height == R) return outer_tile<V, R>(xt, k, r0, panel, t, c0, col_end, out, cols);
-    outer_rows<V, R + 1>(height, xt, k, r0, panel, t, c0, col_end, out, cols);
+  if constexpr (R <= O::kRows) {
+    if (height == R) return outer_tile<O, R>(xt, k, r0, panel, t, c0, col_end, out, cols);
+    outer_rows<O, R + 1>(height, xt, k, r0, panel, t, c0, col_end, out, cols);
   }
 }
 
@@ -454,7 +463,7 @@ void matmul_outer(const float* x, int64_t x_stride, int64_t rows, const uint8_t*
       for (int64_t i = 0, r = 0; i < tiles; ++i) {
         const int64_t height = rows / tiles + (i < rows % tiles);
         for (int64_t t = 0; t < O::kPanel; t += O::kCols)
-          outer_rows<V>(height, xt, k, r, panel.data(), t, c0, col_end, out, cols);
+          outer_rows<O>(height, xt, k, r, panel.data(), t, c0, col_end, out, cols);
         r += height;
       }
     }
