@@ -88,11 +88,18 @@ inline __m128 first_halves(const uint8_t* b) {
 #endif
 
 #if defined(INHERENT_AVX512)
+// The 16 values a nibble stands for, fma(d, q, m) as every path computes them, in one register,
+// and each weight looked up there by its nibble (a permute reads an index's low 4 bits): a
+// third fewer instructions than converting and scaling each weight.
 inline void dequant(Avx512, Q4_1, const uint8_t* b, __m512* w) {
-  const __m512 d = _mm512_set1_ps(_cvtsh_ss(bits16(b))), m = _mm512_set1_ps(_cvtsh_ss(bits16(b + 2)));
+  const __m128 dm = first_halves(b);
+  const __m512 d = _mm512_broadcastss_ps(dm),
+               m = _mm512_permutexvar_ps(_mm512_set1_epi32(1), _mm512_castps128_ps512(dm));
+  const __m512 values = _mm512_fmadd_ps(
+      d, _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15), m);
   const __m512i q = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 4)));
-  w[0] = _mm512_fmadd_ps(d, _mm512_cvtepi32_ps(_mm512_and_si512(q, _mm512_set1_epi32(15))), m);
-  w[1] = _mm512_fmadd_ps(d, _mm512_cvtepi32_ps(_mm512_srli_epi32(q, 4)), m);
+  w[0] = _mm512_permutexvar_ps(q, values);
+  w[1] = _mm512_permutexvar_ps(_mm512_srli_epi32(q, 4), values);
 }
 
 inline void dequant(Avx512, Q8_0, const uint8_t* b, __m512* w) {
