@@ -90,7 +90,10 @@ inline __m128 first_halves(const uint8_t* b) {
 #if defined(INHERENT_AVX512)
 // The 16 values a nibble stands for, fma(d, q, m) as every path computes them, in one register,
 // and each weight looked up there by its nibble (a permute reads an index's low 4 bits): a
-// third fewer instructions than converting and scaling each weight.
+// third fewer instructions than converting and scaling each weight. On 2 Ice Lake cores (Intel
+// Xeon family 6 model 106), where a lone row's blocks are bound by instructions, not memory, the
+// bundled model's 120 decoder matmuls at 1 row took 5.6 ms so against 7.0, the engine's batch-1
+// decode 10.8 against 12.6 (both alternated in one process).
 inline void dequant(Avx512, Q4_1, const uint8_t* b, __m512* w) {
   const __m128 dm = first_halves(b);
   const __m512 d = _mm512_broadcastss_ps(dm),
