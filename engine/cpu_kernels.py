@@ -207,22 +207,41 @@ class QuantLinear:
         return _module().quant_linear(x.float(), self.blocks, self.qtype, _path(path))
 
 
+class BlockBf16Linear:
+    """:class:`Bf16Linear`'s AVX512-BF16 result on a :class:`QuantLinear`'s dequantized weight,
+    bit for bit, reading the GGUF blocks (0.6-1 byte a weight against bf16's 2) and rounding
+    each weight to bf16 in registers (bf16_linear.cpp): either kernel may take any row."""
+
+    __slots__ = ("in_features", "out_features", "packed", "qtype")
+
+    def __init__(self, blocks: QuantLinear):
+        self.in_features, self.out_features = blocks.in_features, blocks.out_features
+        self.qtype = blocks.qtype
+        self.packed = _module().pack_block_bf16(blocks.blocks, blocks.qtype)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return _module().block_bf16_linear(x, self.packed, self.qtype, self.out_features)
+
+
 class BlockStack:
     """A decoder's layers in one call (block_stack.cpp), each layer's calls as the model makes
     them one by one -- add_rms_norm, linear qkv, rope_write, paged_attention, linear o,
-    add_rms_norm, linear gate_up, silu_mul, linear down, each linear a QuantLinear or a
-    Bf16Linear -- so the same bits, without Python between them. For steps whose every matmul
+    add_rms_norm, linear gate_up, silu_mul, linear down, each linear a QuantLinear, a Bf16Linear
+    or a BlockBf16Linear -- so the same bits, without Python between them. For steps whose every matmul
     runs on these kernels and every attention row on the fixed-order kernel."""
 
     __slots__ = ("_stack",)
 
-    def __init__(self, norms: list[torch.Tensor], linears: list[QuantLinear | Bf16Linear],
+    def __init__(self, norms: list[torch.Tensor],
+                 linears: list[QuantLinear | Bf16Linear | BlockBf16Linear],
                  cos_sin: torch.Tensor, num_heads: int, eps: float, scale: float,
                  norm_dtype: torch.dtype):
         """Per layer: ``norms`` [input, post-attention], ``linears`` [qkv, o, gate_up, down];
         ``norm_dtype``: what the norms return (the matmuls' dtype; the blocks read float32)."""
         module = _module()
         matrices = [(lin.blocks, lin.qtype) if isinstance(lin, QuantLinear)
+                    else (lin.packed, module.block_bf16 + lin.qtype)
+                    if isinstance(lin, BlockBf16Linear)
                     else (lin.packed, module.packed_bf16) for lin in linears]
         self._stack = module.BlockStack(
             norms, [m for m, _ in matrices], [qtype for _, qtype in matrices],

@@ -11,11 +11,12 @@ so a layer is nine calls whatever the batch holds:
 The element-wise calls are fused C++ on CPU and torch ops elsewhere (engine/layer_ops.py). Where
 a step's nine calls are all our kernels (matmuls on GGUF blocks or the bf16 kernel, every row on
 the fixed-order attention), one C++ call runs every layer (cpu_kernels.BlockStack, see
-_build_block_stack).
+_build_block_stacks).
 Matmuls: bf16 ones on CPUs with AVX512-BF16 or AMX run our C++ kernel (float32 results,
 cpu_kernels.Bf16Linear, on AMX tiles where the CPU has them); the others go through oneDNN with
 pre-packed weights on CPU (see _Linear). Given a GGUF's blocks (``quantized``), matmuls of few rows read those instead
 (cpu_kernels.QuantLinear: float32 arithmetic on the dequantized weights, a fraction of the bytes;
+in batch-invariant mode on AVX512-BF16, cpu_kernels.BlockBf16Linear: the bf16 kernel's bits;
 see _BlockLinear). Large freed blocks are kept in the heap (see keep_freed_memory). All measured, not
 guessed: bench/model_step.py and the kernels' comments.
 
@@ -292,16 +293,24 @@ class _Linear:
 # layer's four matmuls: blocks 1.9 against 2.4 ms at 16 rows, 3.5 against 3.4 at 32;
 # bench/model_step.py measures both).
 BLOCK_MAX_ROWS = {"bf16 AMX": 4, "bf16 kernel": 7, "oneDNN": 16}
+# Most rows a matmul reads the blocks as bf16 products (cpu_kernels.BlockBf16Linear, the bf16
+# kernel's bits: batch-invariant mode on AVX512-BF16) before the bf16 kernel takes over. The
+# bundled model's decode steps at 256 on 2 Zen 5 cores (AMD EPYC family 26 model 2), alternated
+# in one process, medians of 16 after a 400 MB sweep each: 1 row 3.6-4.0 against 6.2-7.0 ms, 4
+# rows 5.8 against 8.2-8.6, 8 rows 7.8-7.9 against 10.6-10.7, 16 rows 14.3 against 16.1, 24
+# rows 21.4 against 20.5, 32 rows 28.5 against 26.7.
+BLOCK_BF16_MAX_ROWS = 16
 
 
 class _BlockLinear:
     """A matmul on a weight's GGUF blocks for up to ``max_rows`` rows, ``dense`` (bf16 kernel or
     oneDNN) above; ``dense`` None: the blocks for every row count (batch-invariant mode: one
-    arithmetic whatever the batch)."""
+    arithmetic whatever the batch, unless ``blocks`` computes ``dense``'s bits)."""
 
     __slots__ = ("blocks", "dense", "in_features", "max_rows", "out_features")
 
-    def __init__(self, blocks: cpu_kernels.QuantLinear, dense: Any, max_rows: int):
+    def __init__(self, blocks: cpu_kernels.QuantLinear | cpu_kernels.BlockBf16Linear,
+                 dense: Any, max_rows: int):
         self.blocks, self.dense, self.max_rows = blocks, dense, max_rows
         self.out_features, self.in_features = blocks.out_features, blocks.in_features
 
@@ -320,15 +329,21 @@ def _block_linear(parts: Sequence[Any]) -> cpu_kernels.QuantLinear | None:
     return cpu_kernels.QuantLinear(blocks, parts[0].qtype, parts[0].in_features)
 
 
+def _streamed_bytes(kernel: Any) -> int:
+    """Bytes a matmul kernel reads for a row: its GGUF blocks, or its packed weight."""
+    weight = kernel.blocks if isinstance(kernel, cpu_kernels.QuantLinear) else kernel.packed
+    return weight.numel() * weight.element_size()
+
+
 def _weights_onto_huge_pages(linears: Sequence[Any]) -> None:
     """Move the weights our kernels stream every step (bf16 panels, GGUF blocks) into one
     buffer on 2 MB pages (engine/huge_pages.py); oneDNN keeps its packed weights where it put
     them."""
     kernels = [k for lin in linears
                for k in ((lin.blocks, lin.dense) if isinstance(lin, _BlockLinear) else (lin,))]
-    owners = [(k, "packed" if isinstance(k, cpu_kernels.Bf16Linear) else "blocks")
-              for k in kernels
-              if isinstance(k, cpu_kernels.Bf16Linear | cpu_kernels.QuantLinear)]
+    owners = [(k, "blocks" if isinstance(k, cpu_kernels.QuantLinear) else "packed")
+              for k in kernels if isinstance(k, cpu_kernels.Bf16Linear | cpu_kernels.QuantLinear
+                                            | cpu_kernels.BlockBf16Linear)]
     moved = huge_pages.copies([getattr(k, name) for k, name in owners])
     for (kernel, name), tensor in zip(owners, moved, strict=True):
         setattr(kernel, name, tensor)
@@ -401,14 +416,16 @@ class LlamaModel:
             self.lm_head = _Linear(head)
             head_bytes = head.numel() * head.element_size()
         # GGUF blocks where given, on CPU with the kernels, in a float32 model. Batch-invariant
-        # mode runs every row of a matmul on one row-invariant kernel: the bf16 one where the CPU
-        # has it (on 2 Xeon cores with AMX a layer's four matmuls at 256 rows: 1.8 against the
-        # blocks' 13.6 ms, bench/model_step.py --crossover-only), else the blocks.
-        block_max_rows = BLOCK_MAX_ROWS[
-            ("bf16 AMX" if cpu_kernels.bf16_linear_paths()[0] == "amx" else "bf16 kernel")
-            if bf16_kernel else "oneDNN"]
-        use_blocks = self._kernels and dtype == torch.float32 and not (batch_invariant
-                                                                       and bf16_kernel)
+        # mode runs every row of a matmul in one arithmetic: the bf16 kernel's where the CPU has
+        # it (on 2 Xeon cores with AMX a layer's four matmuls at 256 rows: 1.8 against the
+        # blocks' 13.6 ms, bench/model_step.py --crossover-only), its AVX512-BF16 bits read from
+        # the blocks for few rows (BlockBf16Linear; AMX's bits differ), else the blocks'.
+        bf16_path = cpu_kernels.bf16_linear_paths()[0] if bf16_kernel else None
+        bf16_products = batch_invariant and bf16_path == "avx512"
+        block_max_rows = BLOCK_BF16_MAX_ROWS if bf16_products else BLOCK_MAX_ROWS[
+            {"amx": "bf16 AMX", "avx512": "bf16 kernel", None: "oneDNN"}[bf16_path]]
+        use_blocks = self._kernels and dtype == torch.float32 and (
+            bf16_products or not (batch_invariant and bf16_kernel))
         quantized = (quantized or {}) if use_blocks else {}
         block_formats: set[str] = set()
 
@@ -417,12 +434,14 @@ class LlamaModel:
             if linear is None:
                 return dense
             block_formats.add(quantized[names[0]].qtype)
+            if bf16_products:
+                return _BlockLinear(cpu_kernels.BlockBf16Linear(linear), dense, block_max_rows)
             return _BlockLinear(linear, None if batch_invariant else dense, block_max_rows)
 
         head_name = "model.embed_tokens.weight" if tied else "lm_head.weight"
         self.lm_head = with_blocks(self.lm_head, [head_name])
         if isinstance(self.lm_head, _BlockLinear):
-            head_bytes = self.lm_head.blocks.blocks.numel()
+            head_bytes = _streamed_bytes(self.lm_head.blocks)
         self.num_parameters = self.embed.numel() + self.final_norm.numel()
         if not tied:
             self.num_parameters += self.embed.numel()
@@ -454,14 +473,15 @@ class LlamaModel:
             linears = [with_blocks(lin, n) for lin, n in zip(linears, names, strict=True)]
             for lin, m in zip(linears, mats, strict=True):
                 if isinstance(lin, _BlockLinear):  # what a decode reads: the blocks
-                    self.decode_weight_bytes += (lin.blocks.blocks.numel()
+                    self.decode_weight_bytes += (_streamed_bytes(lin.blocks)
                                                  - m.numel() * self.matmul_dtype.itemsize)
             self.layers.append(_Layer(norms[0], norms[1], *linears))
         # What the matmuls read: named in benchmark output and receipts' diagnostics
         dense_format = str(self.matmul_dtype).removeprefix("torch.")
         if block_formats:
             self.weights_format = (f"gguf {'+'.join(sorted(block_formats))} blocks"
-                                   + ("" if batch_invariant else
+                                   + (" as bf16" if bf16_products else "")
+                                   + ("" if batch_invariant and not bf16_products else
                                       f" up to {block_max_rows} rows, {dense_format} above"))
         else:
             self.weights_format = dense_format
@@ -478,9 +498,10 @@ class LlamaModel:
         if self._kernels:
             _weights_onto_huge_pages([self.lm_head, *(lin for layer in self.layers for lin in (
                 layer.qkv, layer.o, layer.gate_up, layer.down))])
-        # None where some call is not our kernel; set to None, every step calls the layers' kernels
-        # one by one from Python (the test of the stack compares the two)
-        self.block_stack, self._block_stack_rows = self._build_block_stack()
+        # (most rows, stack), ascending: a step runs the first its rows fit. Empty where some
+        # call is not our kernel; emptied, every step calls the layers' kernels one by one from
+        # Python (the test of the stacks compares the two)
+        self.block_stacks = self._build_block_stacks()
 
         if batch_invariant:
             linears = [self.lm_head]
@@ -489,29 +510,30 @@ class LlamaModel:
             # (the bf16 kernel's are row-invariant by construction)
             make_linears_invariant(lin for lin in linears if isinstance(lin, _Linear))
 
-    def _build_block_stack(self) -> tuple[cpu_kernels.BlockStack | None, float]:
-        """The layers as one kernel call (cpu_kernels.BlockStack) where every matmul runs on our
-        kernels -- the GGUF blocks or the bf16 kernel -- and the most rows a step may have for it
-        (the blocks' own limit; none for the bf16 kernel). Measured on the 2-core AVX2 kind (AMD
-        EPYC, family 23 model 1), a batch-1 decode step of the bundled model, median of 100
-        steps in four runs: 24.0-26.9 ms with a Python call per kernel, 21.1-22.1 ms in one
-        call; 8 rows 72-76 against 68-69 ms."""
+    def _build_block_stacks(self) -> list[tuple[float, cpu_kernels.BlockStack]]:
+        """The layers as one kernel call (cpu_kernels.BlockStack) for the steps whose every
+        matmul runs on our kernels, each with the most rows a step may have for it: the GGUF
+        blocks up to their limit, the bf16 kernel for any number (above the blocks' limit where
+        there are both). Measured on the 2-core AVX2 kind (AMD EPYC, family 23 model 1), a
+        batch-1 decode step of the bundled model, median of 100 steps in four runs: 24.0-26.9 ms
+        with a Python call per kernel, 21.1-22.1 ms in one call; 8 rows 72-76 against 68-69 ms."""
         if self._kernel_ops is None or self.dtype != torch.float32:
-            return None, 0
+            return []
         linears = [lin for layer in self.layers
                    for lin in (layer.qkv, layer.o, layer.gate_up, layer.down)]
+        stacks: list[tuple[float, list[Any]]] = []
         if all(isinstance(lin, _BlockLinear) for lin in linears):
-            kernels = [lin.blocks for lin in linears]
             max_rows = min(math.inf if lin.dense is None else lin.max_rows for lin in linears)
-        elif all(isinstance(lin, cpu_kernels.Bf16Linear) for lin in linears):
-            kernels, max_rows = linears, math.inf
-        else:
-            return None, 0
+            stacks.append((max_rows, [lin.blocks for lin in linears]))
+            linears = [lin.dense for lin in linears]
+        if all(isinstance(lin, cpu_kernels.Bf16Linear) for lin in linears):
+            stacks.append((math.inf, linears))
         norms = [n for layer in self.layers for n in (layer.input_norm, layer.post_norm)]
         c = self.config
-        stack = cpu_kernels.BlockStack(norms, kernels, self._kernel_ops.cos_sin, c.num_heads,
-                                       c.rms_norm_eps, c.head_dim**-0.5, self.matmul_dtype)
-        return stack, max_rows
+        return [(rows, cpu_kernels.BlockStack(norms, kernels, self._kernel_ops.cos_sin,
+                                              c.num_heads, c.rms_norm_eps, c.head_dim**-0.5,
+                                              self.matmul_dtype))
+                for rows, kernels in stacks]
 
     def allocate_kv_cache(
         self, num_blocks: int, block_size: int, dtype: torch.dtype | None = None
@@ -543,9 +565,10 @@ class LlamaModel:
 
         # The residual stream x takes each sublayer's output (delta) inside the next norm.
         x = F.embedding(batch.input_ids, self.embed)
-        if kernels and self.block_stack is not None and self._stack_runs(plan):
-            delta = self.block_stack(x, list(kv_cache), batch.positions, batch.slot_mapping,
-                                     plan.block_tables, plan.fixed.seq)
+        stack = self._block_stack_for(plan) if kernels else None
+        if stack is not None:
+            delta = stack(x, list(kv_cache), batch.positions, batch.slot_mapping,
+                          plan.block_tables, plan.fixed.seq)
         else:
             delta = None
             for layer, cache in zip(self.layers, kv_cache, strict=True):
@@ -563,13 +586,14 @@ class LlamaModel:
 
     __call__ = forward
 
-    def _stack_runs(self, plan: AttentionPlan) -> bool:
-        """Whether the block stack runs this step: every row on the fixed-order attention, in
-        row order, and no more rows than its matmuls take (the blocks' limit)."""
-        return (plan.fixed is not None and not plan.decode_chunks and not plan.prefills
-                and isinstance(plan.fixed.rows, slice)
-                and plan.fixed.rows == slice(0, plan.num_tokens)
-                and plan.num_tokens <= self._block_stack_rows)
+    def _block_stack_for(self, plan: AttentionPlan) -> cpu_kernels.BlockStack | None:
+        """The block stack this step runs, if any: every row on the fixed-order attention, in
+        row order, and no more rows than the stack's matmuls take (the blocks' limit)."""
+        if (plan.fixed is None or plan.decode_chunks or plan.prefills
+                or not isinstance(plan.fixed.rows, slice)
+                or plan.fixed.rows != slice(0, plan.num_tokens)):
+            return None
+        return next((stack for rows, stack in self.block_stacks if plan.num_tokens <= rows), None)
 
 
 def allocate_kv_cache(

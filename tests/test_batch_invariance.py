@@ -19,8 +19,14 @@ from engine_fixtures import (  # noqa: F401 (fixtures)
 
 from engine import EngineConfig, LLMEngine, SamplingParams
 from engine.batch_invariant import PROBE_ROWS, make_linears_invariant
-from engine.cpu_kernels import bf16_linear_supported
-from engine.model import LlamaModel, _Linear, default_kv_cache_dtype, default_matmul_dtype
+from engine.cpu_kernels import bf16_linear_paths
+from engine.model import (
+    BLOCK_BF16_MAX_ROWS,
+    LlamaModel,
+    _Linear,
+    default_kv_cache_dtype,
+    default_matmul_dtype,
+)
 from engine.model_runner import ModelRunner
 
 MAX_TOKENS = 5
@@ -50,14 +56,18 @@ class Runs:
         self.checkpoint = checkpoint
         # as the engine builds it: bf16 matmuls where the CPU has native bf16, the GGUF's
         # blocks read directly by matmuls of few rows; in the mode every row of a matmul runs
-        # on one kernel, the bf16 one where the CPU has it, else the blocks
+        # in one arithmetic: the bf16 kernel's where the CPU has it (its AVX512-BF16 bits read
+        # from the blocks for few rows), else the blocks'
         self.model = LlamaModel(checkpoint.config, checkpoint.weights,
                                 matmul_dtype=default_matmul_dtype(torch.float32),
                                 batch_invariant=batch_invariant,
                                 quantized=checkpoint.quantized)
         if batch_invariant:
-            one_kernel = "bfloat16" if bf16_linear_supported() else "gguf Q4_1+Q8_0 blocks"
-            assert self.model.weights_format == one_kernel
+            paths = bf16_linear_paths()
+            one_arithmetic = ("bfloat16" if paths[:1] == ["amx"] else
+                              f"gguf Q4_1+Q8_0 blocks as bf16 up to {BLOCK_BF16_MAX_ROWS} rows, "
+                              "bfloat16 above" if paths else "gguf Q4_1+Q8_0 blocks")
+            assert self.model.weights_format == one_arithmetic
         self.kv_cache = self.model.allocate_kv_cache(
             self.NUM_BLOCKS, 16, default_kv_cache_dtype(None, torch.float32))
         self.batch_invariant = batch_invariant

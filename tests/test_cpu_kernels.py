@@ -548,6 +548,32 @@ def test_quant_linear_refuses_bad_input():
         kernel.QuantLinear(blocks, "Q4_1", 64)(torch.randn(2, 96))
 
 
+@pytest.mark.skipif("avx512" not in kernel.bf16_linear_paths(),
+                    reason="no AVX512-BF16 bf16 matmul in this build or CPU (the blocks' bf16 "
+                           "products compute its bits)")
+@pytest.mark.parametrize("qtype", ["Q4_1", "Q8_0"])
+@pytest.mark.parametrize(("out_features", "in_features"),
+                         [(40, 64), (37, 96), (300, 576), (70, 1536)])
+def test_block_bf16_linear_computes_the_bf16_kernels_bits(qtype, out_features, in_features):
+    """Reading the blocks, the bits of the bf16 kernel's AVX512-BF16 path on their dequantized
+    weight at every row count, so batch-invariant mode may run either for any step. Partial
+    panels (37, 40, 70 columns), one row's four panels a pass (300), two rows' two, more rows'
+    blocks of up to 16 (257: 16 blocks and a row)."""
+    blocks, weight = gguf_blocks(qtype, out_features, in_features, 6)
+    reading_blocks = kernel.BlockBf16Linear(kernel.QuantLinear(blocks, qtype, in_features))
+    dense = kernel.Bf16Linear(weight)
+    g = torch.Generator().manual_seed(11)
+    # magnitudes 2^-6..2^6 apart: sums that round at most steps, so any change of order shows
+    scales = torch.exp2(torch.randint(-6, 7, (257, in_features), generator=g).float())
+    x = torch.randn(257, in_features, generator=g) * scales
+    full = dense(x, path="avx512")
+    for rows in (1, 2, 3, 4, 5, 7, 8, 13, 257):
+        assert torch.equal(reading_blocks(x[:rows]), full[:rows]), rows
+    assert torch.equal(reading_blocks(x[:9].bfloat16()), dense(x[:9].bfloat16(), path="avx512"))
+    with pytest.raises(RuntimeError, match="do not match the packed weight"):
+        reading_blocks(torch.randn(2, in_features + 32))
+
+
 def test_a_kernel_lets_other_python_threads_run():
     """The kernels release the GIL, as torch's operators do: the API's threads (retrieval,
     receipts, the event loop) run while the engine thread is inside one."""

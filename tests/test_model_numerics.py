@@ -382,8 +382,8 @@ def test_block_stack_computes_the_bits_of_the_per_call_layers(bundled_checkpoint
                        matmul_dtype=default_matmul_dtype(torch.float32),
                        quantized=bundled_checkpoint.quantized if gguf_blocks else None,
                        batch_invariant=batch_invariant)
-    counted = _CountedStack(model.block_stack)
-    assert counted.stack is not None
+    counted = [(rows, _CountedStack(stack)) for rows, stack in model.block_stacks]
+    assert counted
     tokenizer = bundled_checkpoint.tokenizer
     a, b, c = (tokenizer.encode_chat(chat(p)) for p in CHAT_PROMPTS[:3])
     steps = [[("a", a), ("b", b[:20])], [("a", [7]), ("b", b[20:])], [("a", [9]), ("b", [11])],
@@ -391,9 +391,38 @@ def test_block_stack_computes_the_bits_of_the_per_call_layers(bundled_checkpoint
                                                           for t in (17, 19)]
     by_stack, by_calls = PagedRunner(model), PagedRunner(model)
     for work in steps:
-        model.block_stack = counted
+        model.block_stacks = counted
         ours = by_stack.step(work)
-        model.block_stack = None
+        model.block_stacks = []
         assert torch.equal(ours, by_calls.step(work)), work
     # default mode: the three steps of decodes alone; batch-invariant mode: all six
-    assert counted.calls == (6 if batch_invariant else 3)
+    assert sum(stack.calls for _, stack in counted) == (6 if batch_invariant else 3)
+
+
+@pytest.mark.slow
+def test_batch_invariant_steps_of_few_rows_read_the_blocks_for_the_bf16_kernels_bits(
+        bundled_checkpoint):
+    """Batch-invariant mode on AVX512-BF16 (not AMX, whose bits differ): decode steps of few
+    rows read the GGUF blocks as bf16 products (cpu_kernels.BlockBf16Linear), the others the
+    bf16 kernel, and every step's logits are those of the model without the blocks, bit for bit."""
+    from engine import cpu_kernels
+
+    if cpu_kernels.bf16_linear_paths()[:1] != ["avx512"]:
+        pytest.skip("the bf16 kernel here is not AVX512-BF16's (AMX, or no bf16 instructions): "
+                    "batch-invariant mode reads no blocks")
+    c, w = bundled_checkpoint.config, bundled_checkpoint.weights
+    reading = LlamaModel(c, w, matmul_dtype=torch.bfloat16, batch_invariant=True,
+                         quantized=bundled_checkpoint.quantized)
+    dense = LlamaModel(c, w, matmul_dtype=torch.bfloat16, batch_invariant=True)
+    assert reading.weights_format.startswith("gguf Q4_1+Q8_0 blocks as bf16 up to")
+    assert reading.decode_weight_bytes < 110e6 < 250e6 < dense.decode_weight_bytes
+    (few_rows, blocks_stack), _ = reading.block_stacks
+    counted = _CountedStack(blocks_stack)
+    reading.block_stacks[0] = (few_rows, counted)
+    tokenizer = bundled_checkpoint.tokenizer
+    a, b = (tokenizer.encode_chat(chat(p)) for p in CHAT_PROMPTS[:2])
+    steps = [[("a", a), ("b", b)]] + [[(s, [t]) for s in "ab"] for t in (17, 19, 23)]
+    by_blocks, by_dense = PagedRunner(reading), PagedRunner(dense)
+    for work in steps:
+        assert torch.equal(by_blocks.step(work), by_dense.step(work)), work
+    assert counted.calls == 3  # the decode steps

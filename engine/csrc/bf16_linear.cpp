@@ -25,6 +25,7 @@
 
 #include <ATen/Parallel.h>
 
+#include <cstring>
 #include <vector>
 
 #if defined(__AVX512F__)
@@ -413,6 +414,270 @@ at::Tensor bf16_linear(at::Tensor x, at::Tensor packed, int64_t columns,
                                                (b + 1) * ask_pairs / blocks);
     }
   });
+#endif
+  return out;
+}
+
+// ---- The same products with the weight read as GGUF blocks ----------------------------------
+//
+// block_bf16_linear computes bf16_linear's AVX512-BF16 result bit for bit -- each column one
+// vdpbf16ps chain over k pairs, ascending, from zero -- but reads the weight as GGUF blocks
+// (Q4_1: 0.625 bytes a weight, Q8_0: 1.06, against bf16's 2) and rounds each dequantized weight
+// to bf16 in registers. Dequantizing is exact in float32 (d * q has at most 19 significant
+// bits), so a weight is the loader's float32 weight, and its bf16 rounding (to nearest even,
+// as vcvtne2ps2bf16 rounds; with fp16 d and m a weight is 0 or at least 2^-24 in magnitude,
+// never a denormal, which that instruction would flush) is what pack_bf16_weight stores: a
+// step may take either kernel for any row and the answer's bits are the same. Batch-invariant
+// mode thus reads the blocks for decode steps of up to 16 rows on CPUs without AMX: the bundled
+// model's batch-1 decode 3.6-4.0 ms against 6.2-7.0 on the bf16 kernel (2 Zen 5 cores;
+// engine/model.py BLOCK_BF16_MAX_ROWS).
+//
+// Blocks are repacked once (pack_block_bf16) into records of one 16-column panel by one
+// 32-weight block, each k pair's 32 weights in the lanes vdpbf16ps reads: per 32-bit lane i < 8
+// column i's pair, from a first half of 8 columns, the second half the other 8, so one
+// vcvtne2ps2bf16 of the halves' float32 weights makes the operand. A record:
+//   Q4_1 (320 bytes): 16 fp16 d, 16 fp16 m, then for each two steps (k pairs 2t, 2t + 1) two
+//     16-byte halves, byte 2c + e holding column c's weight k = 2 * 2t + e in its low nibble
+//     and k = 2 * (2t + 1) + e in its high one;
+//   Q8_0 (544 bytes): 16 fp16 d, then for each step two 16-byte halves of int8 weights.
+// Columns past N are zero weights.
+
+namespace {
+
+constexpr int64_t kBlockWeights = 32, kPairsPerBlock = 16;  // a GGUF block: 16 k pairs
+
+int64_t block_record_bytes(int64_t qtype) {
+  if (qtype == 3) return 64 + 8 * 32;  // Q4_1
+  if (qtype == 8) return 32 + 16 * 32;  // Q8_0
+  return 0;
+}
+
+#if defined(__AVX512BF16__)
+// One record's scales as the halves' lanes take them: lane 2c + e of a half is its column c.
+struct Q4_1Record {
+  __m512 d[2], m[2];
+  void load(const uint8_t* r) {
+    const __m512 d16 = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(r)));
+    const __m512 m16 =
+        _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(r + 32)));
+    for (int h = 0; h < 2; ++h) {
+      const __m512i lanes = _mm512_srli_epi32(
+          _mm512_add_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
+                           _mm512_set1_epi32(16 * h)), 1);
+      d[h] = _mm512_permutexvar_ps(lanes, d16);
+      m[h] = _mm512_permutexvar_ps(lanes, m16);
+    }
+  }
+  // steps 2t and 2t + 1 as vdpbf16ps operands
+  void pair(const uint8_t* r, int t, __m512bh& first, __m512bh& second) const {
+    const uint8_t* q = r + 64 + t * 32;
+    const __m512i nibble = _mm512_set1_epi32(15);
+    const __m512i a = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q)));
+    const __m512i b =
+        _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q + 16)));
+    const auto weight = [&](__m512i v, int h) {
+      return _mm512_fmadd_ps(_mm512_cvtepi32_ps(v), d[h], m[h]);  // exact product: one rounding
+    };
+    first = _mm512_cvtne2ps_pbh(weight(_mm512_and_si512(b, nibble), 1),
+                                weight(_mm512_and_si512(a, nibble), 0));
+    second = _mm512_cvtne2ps_pbh(weight(_mm512_srli_epi32(b, 4), 1),
+                                 weight(_mm512_srli_epi32(a, 4), 0));
+  }
+};
+
+struct Q8_0Record {
+  __m512 d[2];
+  void load(const uint8_t* r) {
+    const __m512 d16 = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(r)));
+    for (int h = 0; h < 2; ++h) {
+      const __m512i lanes = _mm512_srli_epi32(
+          _mm512_add_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
+                           _mm512_set1_epi32(16 * h)), 1);
+      d[h] = _mm512_permutexvar_ps(lanes, d16);
+    }
+  }
+  void pair(const uint8_t* r, int t, __m512bh& first, __m512bh& second) const {
+    const auto step = [&](int s) {
+      const uint8_t* q = r + 32 + s * 32;
+      const auto weight = [&](const uint8_t* half, int h) {
+        return _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
+                                 _mm_loadu_si128(reinterpret_cast<const __m128i*>(half)))),
+                             d[h]);
+      };
+      return _mm512_cvtne2ps_pbh(weight(q + 16, 1), weight(q, 0));
+    };
+    first = step(2 * t);
+    second = step(2 * t + 1);
+  }
+};
+
+// How far a group asks for each panel's records ahead of its loads (into L1). The bundled
+// model's 120 decoder matmuls and LM head at one row, weights out of cache (2 Zen 5 cores, AMD
+// EPYC family 26 model 2; medians of 12, beside the float32 blocks kernel in the same run):
+// without asks 4.7-4.8 ms where the float32 blocks took 3.3-3.4; asking 2 records ahead
+// 3.78-3.79 against 3.41-3.45, 4 ahead 3.52-3.65 against 3.29-3.48, 8 ahead 3.93-4.06 against
+// 3.47-3.65. Each panel's records are one stream, but the hardware's prefetchers stop at pages.
+constexpr int64_t kAheadRecords = 4;
+
+// kRows rows of x (bf16 pairs, `pairs` a row) times kPanels panels of records from `records`
+// (`blocks` records a panel) into out[rows][columns] from column `first`.
+template <class Record, int kRows, int kPanels>
+void block_panel_group(const uint32_t* x, int64_t pairs, const uint8_t* records,
+                       int64_t blocks, int64_t record_bytes, float* out, int64_t columns,
+                       int64_t first) {
+  __m512 acc[kRows][kPanels];
+  for (int r = 0; r < kRows; ++r)
+    for (int j = 0; j < kPanels; ++j) acc[r][j] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < blocks; ++b) {
+    const uint8_t* rec[kPanels];
+    Record scales[kPanels];
+    for (int j = 0; j < kPanels; ++j) {
+      rec[j] = records + (j * blocks + b) * record_bytes;
+      scales[j].load(rec[j]);
+      for (int64_t line = 0; line < record_bytes; line += 64)
+        _mm_prefetch(reinterpret_cast<const char*>(rec[j] + kAheadRecords * record_bytes + line),
+                     _MM_HINT_T0);
+    }
+    for (int t = 0; t < kPairsPerBlock / 2; ++t) {
+      __m512bh first_step[kPanels], second_step[kPanels];
+      for (int j = 0; j < kPanels; ++j) scales[j].pair(rec[j], t, first_step[j], second_step[j]);
+      const int64_t k = b * kPairsPerBlock + 2 * t;
+      for (int r = 0; r < kRows; ++r) {
+        const __m512bh a0 = (__m512bh)_mm512_set1_epi32(static_cast<int>(x[r * pairs + k]));
+        const __m512bh a1 = (__m512bh)_mm512_set1_epi32(static_cast<int>(x[r * pairs + k + 1]));
+        for (int j = 0; j < kPanels; ++j) {
+          acc[r][j] = _mm512_dpbf16_ps(acc[r][j], a0, first_step[j]);
+          acc[r][j] = _mm512_dpbf16_ps(acc[r][j], a1, second_step[j]);
+        }
+      }
+    }
+  }
+  for (int j = 0; j < kPanels; ++j) {
+    const int64_t col = first + j * kPanel;
+    if (col >= columns) break;
+    const __mmask16 keep = col + kPanel <= columns ? __mmask16(0xFFFF)
+                                                   : __mmask16((1u << (columns - col)) - 1);
+    for (int r = 0; r < kRows; ++r) _mm512_mask_storeu_ps(out + r * columns + col, keep, acc[r][j]);
+  }
+}
+
+// Threads split the panels in pairs. One row reads four panels a pass (four weight streams:
+// 4.7-4.8 ms against 5.4 for two in the run above, before the asks), two rows two; more rows one
+// panel in blocks of up to 16 rows, so that dequantizing a record serves them all (the engine's
+// decode steps of 16 rows 14.3 ms against 16.1 on the bf16 kernel, where blocks of 8 rows tied
+// it; 3 and 4 rows 5.0 and 5.8 ms against 5.4-5.6 and 5.8-6.6 for two panels of 3 or 4 rows).
+template <class Record>
+void block_bf16_matmul(const uint32_t* xp, int64_t rows, int64_t pairs, const uint8_t* wp,
+                       int64_t num_panels, int64_t blocks, int64_t record_bytes, float* op,
+                       int64_t columns) {
+  using Group = void (*)(const uint32_t*, int64_t, const uint8_t*, int64_t, int64_t, float*,
+                         int64_t, int64_t);
+  constexpr Group two_panels[5] = {
+      nullptr, block_panel_group<Record, 1, 2>, block_panel_group<Record, 2, 2>,
+      block_panel_group<Record, 3, 2>, block_panel_group<Record, 4, 2>};
+  constexpr int64_t kRowBlock = 16;
+  constexpr Group one_panel[kRowBlock + 1] = {
+      nullptr, block_panel_group<Record, 1, 1>, block_panel_group<Record, 2, 1>,
+      block_panel_group<Record, 3, 1>, block_panel_group<Record, 4, 1>,
+      block_panel_group<Record, 5, 1>, block_panel_group<Record, 6, 1>,
+      block_panel_group<Record, 7, 1>, block_panel_group<Record, 8, 1>,
+      block_panel_group<Record, 9, 1>, block_panel_group<Record, 10, 1>,
+      block_panel_group<Record, 11, 1>, block_panel_group<Record, 12, 1>,
+      block_panel_group<Record, 13, 1>, block_panel_group<Record, 14, 1>,
+      block_panel_group<Record, 15, 1>, block_panel_group<Record, 16, 1>};
+  const int64_t panel_bytes = blocks * record_bytes;
+  at::parallel_for(0, (num_panels + 1) / 2, 8, [&](int64_t begin, int64_t end) {
+    const int64_t last = std::min(2 * end, num_panels);
+    for (int64_t p = 2 * begin, group; p < last; p += group) {
+      const uint8_t* w = wp + p * panel_bytes;
+      if (rows == 1 && p + 4 <= last) {
+        group = 4;
+        block_panel_group<Record, 1, 4>(xp, pairs, w, blocks, record_bytes, op, columns,
+                                        p * kPanel);
+      } else if (rows <= 2 && p + 2 <= last) {
+        group = 2;
+        two_panels[rows](xp, pairs, w, blocks, record_bytes, op, columns, p * kPanel);
+      } else {
+        group = 1;
+        for (int64_t r = 0; r < rows; r += kRowBlock)
+          one_panel[std::min(kRowBlock, rows - r)](xp + r * pairs, pairs, w, blocks,
+                                                   record_bytes, op + r * columns, columns,
+                                                   p * kPanel);
+      }
+    }
+  });
+}
+#endif
+
+}  // namespace
+
+// blocks: [N, K / 32 * block bytes] uint8, a GGUF tensor's rows as stored; qtype 3 (Q4_1) or 8
+// (Q8_0). Returns the records block_bf16_linear reads, [ceil(N / 16), K / 32, record bytes].
+at::Tensor pack_block_bf16(at::Tensor blocks, int64_t qtype) {
+  const int64_t record_bytes = block_record_bytes(qtype);
+  TORCH_CHECK(record_bytes > 0, "GGUF block type ", qtype, " is not supported (Q4_1, Q8_0)");
+  const int64_t block_bytes = quant_block_bytes(qtype);
+  TORCH_CHECK(blocks.scalar_type() == at::kByte && blocks.dim() == 2 && blocks.device().is_cpu() &&
+              blocks.size(1) % block_bytes == 0,
+              "blocks must be a 2-D uint8 CPU tensor of whole blocks");
+  const at::Tensor src = blocks.contiguous();
+  const int64_t n = src.size(0), num_blocks = src.size(1) / block_bytes;
+  const int64_t panels = (n + kPanel - 1) / kPanel;
+  auto packed = at::zeros({panels, num_blocks, record_bytes}, src.options());
+  const uint8_t* in = src.data_ptr<uint8_t>();
+  uint8_t* out = packed.data_ptr<uint8_t>();
+  for (int64_t col = 0; col < n; ++col) {
+    const int64_t c = col % kPanel, h = c / 8, lane = 2 * (c % 8);
+    for (int64_t b = 0; b < num_blocks; ++b) {
+      const uint8_t* blk = in + (col * num_blocks + b) * block_bytes;
+      uint8_t* rec = out + ((col / kPanel) * num_blocks + b) * record_bytes;
+      std::memcpy(rec + 2 * c, blk, 2);  // d
+      if (qtype == 3) {
+        std::memcpy(rec + 32 + 2 * c, blk + 2, 2);  // m
+        // the block's weights unpacked first: GCC 12.2 at -O3 vectorized a lookup picking the
+        // low or high nibble per k into wrong bytes
+        uint8_t q[kBlockWeights];
+        for (int64_t j = 0; j < 16; ++j) q[j] = blk[4 + j] & 15, q[j + 16] = blk[4 + j] >> 4;
+        for (int64_t t = 0; t < kPairsPerBlock / 2; ++t)
+          for (int64_t e = 0; e < 2; ++e)
+            rec[64 + t * 32 + h * 16 + lane + e] = uint8_t(q[4 * t + e] | q[4 * t + 2 + e] << 4);
+      } else {
+        for (int64_t s = 0; s < kPairsPerBlock; ++s)
+          for (int64_t e = 0; e < 2; ++e) rec[32 + s * 32 + h * 16 + lane + e] = blk[2 + 2 * s + e];
+      }
+    }
+  }
+  return packed;
+}
+
+// x: [M, K] float32 or bfloat16, rows contiguous; packed from pack_block_bf16 (qtype as there);
+// columns: N. bf16_linear's AVX512-BF16 result on the dequantized weight, bit for bit.
+at::Tensor block_bf16_linear(at::Tensor x, at::Tensor packed, int64_t qtype, int64_t columns) {
+  TORCH_CHECK(kSupported, "block_bf16_linear: this CPU or build has no AVX512-BF16 path");
+  const int64_t record_bytes = block_record_bytes(qtype);
+  TORCH_CHECK(record_bytes > 0, "GGUF block type ", qtype, " is not supported (Q4_1, Q8_0)");
+  TORCH_CHECK((x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16) &&
+              x.dim() == 2 && x.stride(1) == 1 && x.device().is_cpu(),
+              "x must be a 2-D float32 or bfloat16 CPU tensor with contiguous rows");
+  TORCH_CHECK(packed.scalar_type() == at::kByte && packed.dim() == 3 && packed.is_contiguous() &&
+              packed.size(2) == record_bytes, "packed must come from pack_block_bf16");
+  const int64_t rows = x.size(0), k = x.size(1), num_panels = packed.size(0),
+                blocks = packed.size(1);
+  TORCH_CHECK(k == blocks * kBlockWeights && columns <= num_panels * kPanel &&
+              columns > (num_panels - 1) * kPanel,
+              "x or columns do not match the packed weight");
+  auto out = at::empty({rows, columns}, x.options().dtype(at::kFloat));
+  if (rows == 0) return out;
+#if defined(__AVX512BF16__)
+  const int64_t pairs = k / 2;
+  const uint32_t* xp = reinterpret_cast<const uint32_t*>(bf16_rows(x, rows, k));
+  const uint8_t* wp = packed.data_ptr<uint8_t>();
+  if (qtype == 3)
+    block_bf16_matmul<Q4_1Record>(xp, rows, pairs, wp, num_panels, blocks, record_bytes,
+                                  out.data_ptr<float>(), columns);
+  else
+    block_bf16_matmul<Q8_0Record>(xp, rows, pairs, wp, num_panels, blocks, record_bytes,
+                                  out.data_ptr<float>(), columns);
 #endif
   return out;
 }

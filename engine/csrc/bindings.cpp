@@ -34,6 +34,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("silu_mul", &silu_mul, without_gil, "silu(gate) * up of a fused gate_up projection", py::arg("gate_up"),
         py::arg("path"));
   m.attr("packed_bf16") = kPackedBf16;
+  m.attr("block_bf16") = kBlockBf16;
   m.def("quant_block_bytes", &quant_block_bytes, "bytes of a GGUF block type's block, 0 if unsupported",
         py::arg("qtype"));
   m.def("quant_linear", &quant_linear, without_gil, "x @ W.T, W as GGUF blocks (Q4_1, Q8_0); float32 arithmetic",
@@ -52,4 +53,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("pack_bf16_weight", &pack_bf16_weight, without_gil, "pack [N, K] for bf16_linear", py::arg("weight"));
   m.def("bf16_linear", &bf16_linear, without_gil, "x @ W.T: bf16 inputs, float32 accumulation and result",
         py::arg("x"), py::arg("packed"), py::arg("columns"), py::arg("path"));
+  m.def("pack_block_bf16", &pack_block_bf16, without_gil, "GGUF blocks as block_bf16_linear reads them",
+        py::arg("blocks"), py::arg("qtype"));
+  m.def("block_bf16_linear", &block_bf16_linear, without_gil,
+        "bf16_linear's AVX512-BF16 bits with the weight read as GGUF blocks", py::arg("x"),
+        py::arg("packed"), py::arg("qtype"), py::arg("columns"));
 }

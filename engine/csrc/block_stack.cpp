@@ -1,6 +1,7 @@
 // A decoder's layers in one call, for the steps where every call of a layer is one of our
 // kernels: each row's attention on the fixed-order kernel and each matmul on the GGUF blocks
-// (decode steps of few rows, and every step in batch-invariant mode) or on the bf16 kernel. The
+// (decode steps of few rows, and every step in batch-invariant mode), on the bf16 kernel, or on
+// the blocks as bf16 products (block_bf16_linear). The
 // layer is the nine calls engine/model.py makes, in its order and with its arguments, so the
 // result is the same bits; what goes is Python between the calls -- the model's glue and the
 // binding's per-call conversions and GIL hand-offs, 270 of each a step for the bundled model's
@@ -18,8 +19,8 @@ BlockStack::BlockStack(std::vector<at::Tensor> norms, std::vector<at::Tensor> ma
               qtypes_.size() == matrices_.size() && columns_.size() == matrices_.size(),
               "a layer is 2 norms and 4 matrices (qkv, o, gate_up, down)");
   for (const int64_t qtype : qtypes_)
-    TORCH_CHECK(qtype == kPackedBf16 || quant_block_bytes(qtype) > 0, "GGUF block type ", qtype,
-                " is not supported");
+    TORCH_CHECK(qtype == kPackedBf16 || quant_block_bytes(qtype % kBlockBf16) > 0,
+                "GGUF block type ", qtype, " is not supported");
 }
 
 at::Tensor BlockStack::forward(at::Tensor x, const std::vector<at::Tensor>& caches,
@@ -36,6 +37,8 @@ at::Tensor BlockStack::forward(at::Tensor x, const std::vector<at::Tensor>& cach
   const auto matmul = [&](const at::Tensor& in, size_t layer, int which) {
     const size_t m = 4 * layer + which;
     if (qtypes_[m] == kPackedBf16) return bf16_linear(in, matrices_[m], columns_[m], "auto");
+    if (qtypes_[m] > kBlockBf16)
+      return block_bf16_linear(in, matrices_[m], qtypes_[m] - kBlockBf16, columns_[m]);
     return quant_linear(in.to(at::kFloat), matrices_[m], qtypes_[m], path);
   };
   c10::optional<at::Tensor> delta;  // the last sublayer's output, added inside the next norm

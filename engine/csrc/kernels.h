@@ -100,12 +100,14 @@ int64_t quant_block_bytes(int64_t qtype);
 at::Tensor quant_linear(at::Tensor x, at::Tensor blocks, int64_t qtype,
                         const std::string& path);
 
-// A BlockStack matrix's qtype when it is a weight packed for bf16_linear, not GGUF blocks.
-constexpr int64_t kPackedBf16 = -1;
+// A BlockStack matrix's qtype when it is a weight packed for bf16_linear, not GGUF blocks; and
+// the offset added to the blocks' qtype when they are packed for block_bf16_linear.
+constexpr int64_t kPackedBf16 = -1, kBlockBf16 = 100;
 
 // A decoder's layers on the kernels above, one call a step (block_stack.cpp): per layer, norms
-// [input, post-attention] and matrices [qkv, o, gate_up, down], each GGUF blocks (its qtype) or
-// packed for bf16_linear (kPackedBf16), with its output columns.
+// [input, post-attention] and matrices [qkv, o, gate_up, down], each GGUF blocks (its qtype),
+// packed for bf16_linear (kPackedBf16) or for block_bf16_linear (kBlockBf16 + the blocks'
+// qtype), with its output columns.
 class BlockStack {
  public:
   BlockStack(std::vector<at::Tensor> norms, std::vector<at::Tensor> matrices,
@@ -131,3 +133,5 @@ std::vector<std::string> bf16_linear_paths();
 at::Tensor pack_bf16_weight(at::Tensor w);
 at::Tensor bf16_linear(at::Tensor x, at::Tensor packed, int64_t columns,
                        const std::string& path);
+at::Tensor pack_block_bf16(at::Tensor blocks, int64_t qtype);
+at::Tensor block_bf16_linear(at::Tensor x, at::Tensor packed, int64_t qtype, int64_t columns);
