@@ -227,8 +227,8 @@ class BlockStack:
     """A decoder's layers in one call (block_stack.cpp), each layer's calls as the model makes
     them one by one -- add_rms_norm, linear qkv, rope_write, paged_attention, linear o,
     add_rms_norm, linear gate_up, silu_mul, linear down, each linear a QuantLinear, a Bf16Linear
-    or a BlockBf16Linear -- so the same bits, without Python between them. For steps whose every matmul
-    runs on these kernels and every attention row on the fixed-order kernel."""
+    or a BlockBf16Linear -- so the same bits, without Python between them. For steps whose every
+    matmul runs on these kernels and every attention row on the fixed-order kernel."""
 
     __slots__ = ("_stack",)
 

@@ -453,20 +453,21 @@ int64_t block_record_bytes(int64_t qtype) {
 }
 
 #if defined(__AVX512BF16__)
-// One record's scales as the halves' lanes take them: lane 2c + e of a half is its column c.
+// A record's 16 fp16 scales at p as half h's lanes take them: lane 2c + e of a half is its
+// column c (the first half's columns 0-7, the second's 8-15).
+inline __m512 half_scales(const uint8_t* p, int h) {
+  const __m512 per_column =
+      _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  const __m512i lanes = _mm512_srli_epi32(
+      _mm512_add_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
+                       _mm512_set1_epi32(16 * h)), 1);
+  return _mm512_permutexvar_ps(lanes, per_column);
+}
+
 struct Q4_1Record {
   __m512 d[2], m[2];
   void load(const uint8_t* r) {
-    const __m512 d16 = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(r)));
-    const __m512 m16 =
-        _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(r + 32)));
-    for (int h = 0; h < 2; ++h) {
-      const __m512i lanes = _mm512_srli_epi32(
-          _mm512_add_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
-                           _mm512_set1_epi32(16 * h)), 1);
-      d[h] = _mm512_permutexvar_ps(lanes, d16);
-      m[h] = _mm512_permutexvar_ps(lanes, m16);
-    }
+    for (int h = 0; h < 2; ++h) d[h] = half_scales(r, h), m[h] = half_scales(r + 32, h);
   }
   // steps 2t and 2t + 1 as vdpbf16ps operands
   void pair(const uint8_t* r, int t, __m512bh& first, __m512bh& second) const {
@@ -488,13 +489,7 @@ struct Q4_1Record {
 struct Q8_0Record {
   __m512 d[2];
   void load(const uint8_t* r) {
-    const __m512 d16 = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(r)));
-    for (int h = 0; h < 2; ++h) {
-      const __m512i lanes = _mm512_srli_epi32(
-          _mm512_add_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
-                           _mm512_set1_epi32(16 * h)), 1);
-      d[h] = _mm512_permutexvar_ps(lanes, d16);
-    }
+    for (int h = 0; h < 2; ++h) d[h] = half_scales(r, h);
   }
   void pair(const uint8_t* r, int t, __m512bh& first, __m512bh& second) const {
     const auto step = [&](int s) {

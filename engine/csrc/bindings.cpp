@@ -53,8 +53,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("pack_bf16_weight", &pack_bf16_weight, without_gil, "pack [N, K] for bf16_linear", py::arg("weight"));
   m.def("bf16_linear", &bf16_linear, without_gil, "x @ W.T: bf16 inputs, float32 accumulation and result",
         py::arg("x"), py::arg("packed"), py::arg("columns"), py::arg("path"));
-  m.def("pack_block_bf16", &pack_block_bf16, without_gil, "GGUF blocks as block_bf16_linear reads them",
-        py::arg("blocks"), py::arg("qtype"));
+  m.def("pack_block_bf16", &pack_block_bf16, without_gil,
+        "GGUF blocks as block_bf16_linear reads them", py::arg("blocks"), py::arg("qtype"));
   m.def("block_bf16_linear", &block_bf16_linear, without_gil,
         "bf16_linear's AVX512-BF16 bits with the weight read as GGUF blocks", py::arg("x"),
         py::arg("packed"), py::arg("qtype"), py::arg("columns"));
