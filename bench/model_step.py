@@ -10,6 +10,8 @@ Prints, for the bundled SmolLM2-135M (fp32, and bf16 where this CPU does bf16 na
 * prefill tokens/s for a 512-token prompt, and the fp32/bf16 matmul times per token count
   behind ``engine.model.default_matmul_dtype``;
 * with --load: cold (convert the GGUF into a fresh cache) and warm load times;
+* with --bf16-blocks (only): batch-invariant decode steps reading the GGUF blocks as bf16
+  products against the bf16 kernel, by rows (AVX512-BF16);
 * with --baseline: transformers' batch-1 decode step on the same weights.
 Times are medians over repeated steps; other processes on a 2-core machine move them by 10-30%.
 """
@@ -17,6 +19,8 @@ Times are medians over repeated steps; other processes on a 2-core machine move 
 from __future__ import annotations
 
 import argparse
+import functools
+import math
 import statistics
 import tempfile
 import time
@@ -125,12 +129,13 @@ def report_model(name: str, model: LlamaModel, bandwidth: float) -> None:
 
 
 def report_matmul_crossover() -> None:
-    """fp32 vs bf16 vs GGUF Q4_1 blocks (cpu_kernels.QuantLinear, float32 arithmetic): time of
-    one layer's four matmuls by token count (bf16 as the engine runs it: our kernel where the CPU
-    has AVX512-BF16, oneDNN otherwise). One layer's weights stay in cache here, which flatters
-    the dense kernels against the blocks: engine.model.BLOCK_MAX_ROWS comes from whole decode
-    steps, whose weights stream from memory (on 2 Zen 5 cores the blocks lose at every row
-    count here, but win a decode step up to 7 rows)."""
+    """fp32 vs bf16 vs GGUF Q4_1 blocks (cpu_kernels.QuantLinear, float32 arithmetic) and, on
+    AVX512-BF16, the blocks as bf16 products (cpu_kernels.BlockBf16Linear): time of one layer's
+    four matmuls by token count (bf16 as the engine runs it: our kernel where the CPU has
+    AVX512-BF16, oneDNN otherwise). One layer's weights stay in cache here, which flatters the
+    dense kernels against the blocks: engine.model.BLOCK_MAX_ROWS and BLOCK_BF16_MAX_ROWS come
+    from whole decode steps, whose weights stream from memory (on 2 Zen 5 cores the blocks lose
+    at every row count here, but win a decode step up to 7 rows; see --bf16-blocks)."""
     from gguf import GGMLQuantizationType
     from gguf.quants import quantize
 
@@ -142,17 +147,51 @@ def report_matmul_crossover() -> None:
         bf16, kind = [cpu_kernels.Bf16Linear(torch.randn(o, i)) for o, i in shapes], "kernel"
     else:
         bf16, kind = [_Linear(torch.randn(o, i).bfloat16()) for o, i in shapes], "oneDNN"
+    # the blocks as bf16 products, the bf16 kernel's AVX512-BF16 bits (batch-invariant mode's
+    # steps of few rows there: engine.model.BLOCK_BF16_MAX_ROWS)
+    as_bf16 = ([cpu_kernels.BlockBf16Linear(b) for b in blocks]
+               if "avx512" in cpu_kernels.bf16_linear_paths() else None)
     print(f"\n== one layer's matmuls, fp32 (oneDNN) vs bf16 ({kind}), by tokens per step")
     for tokens in (1, 2, 4, 8, 16, 32, 64, 128, 256, 512):
         xs = [torch.randn(tokens, i) for _, i in shapes]
-        t32 = median_seconds(lambda xs=xs: [f(x) for f, x in zip(fp32, xs, strict=True)], 10)
-        t16 = median_seconds(lambda xs=xs: [f(x) for f, x in zip(bf16, xs, strict=True)], 10)
-        tq = median_seconds(lambda xs=xs: [f(x) for f, x in zip(blocks, xs, strict=True)], 10)
-        print(
-            f"{tokens:4d} tokens: fp32 {t32 * 1e6:8.0f} us  bf16 {t16 * 1e6:8.0f} us  "
-            f"Q4_1 blocks {tq * 1e6:8.0f} us  bf16/fp32 {t16 / t32:.2f}  "
-            f"blocks/best {tq / min(t16, t32):.2f}"
-        )
+
+        def seconds(kernels, xs=xs):
+            return median_seconds(lambda: [f(x) for f, x in zip(kernels, xs, strict=True)], 10)
+
+        t32, t16, tq = seconds(fp32), seconds(bf16), seconds(blocks)
+        line = (f"{tokens:4d} tokens: fp32 {t32 * 1e6:8.0f} us  bf16 {t16 * 1e6:8.0f} us  "
+                f"Q4_1 blocks {tq * 1e6:8.0f} us  bf16/fp32 {t16 / t32:.2f}  "
+                f"blocks/best {tq / min(t16, t32):.2f}")
+        if as_bf16 is not None:
+            tb = seconds(as_bf16)
+            line += f"  blocks as bf16 {tb * 1e6:8.0f} us  as bf16/bf16 {tb / t16:.2f}"
+        print(line)
+
+
+def report_bf16_blocks_steps(checkpoint) -> None:
+    """Batch-invariant decode steps (context 256) whose matmuls read the GGUF blocks as bf16
+    products against the same steps on the bf16 kernel -- the same bits -- by rows: the measure
+    behind engine.model.BLOCK_BF16_MAX_ROWS. The two alternate in one process, each step after
+    a 400 MB sweep, so the weights come from memory as in a server's decode."""
+    model = LlamaModel(checkpoint.config, checkpoint.weights, matmul_dtype=torch.bfloat16,
+                       batch_invariant=True, quantized=checkpoint.quantized)
+    (_, reading_blocks), *dense = model.block_stacks
+    stacks = {"blocks as bf16": [(math.inf, reading_blocks)], "bf16 kernel": dense}
+    sweep = torch.ones(100 << 20)
+    print(f"\n== batch-invariant decode steps: {model.weights_format}")
+    for rows in (1, 2, 4, 8, 12, 16, 24, 32):
+        batch, num_blocks = decode_batch(rows, 256)
+        cache = model.allocate_kv_cache(num_blocks, BLOCK)
+        times: dict[str, list[float]] = {name: [] for name in stacks}
+        for turn in range(16):
+            for name in sorted(stacks, reverse=turn % 2 == 1):
+                model.block_stacks = stacks[name]
+                sweep.sum()
+                step = functools.partial(model.forward, batch, cache)
+                times[name].append(median_seconds(step, 3, warmup=1))
+        ms = {name: statistics.median(t) * 1e3 for name, t in times.items()}
+        print(f"rows {rows:2d}: blocks as bf16 {ms['blocks as bf16']:6.2f} ms, bf16 kernel "
+              f"{ms['bf16 kernel']:6.2f} ms, ratio {ms['blocks as bf16'] / ms['bf16 kernel']:.3f}")
 
 
 def report_load() -> None:
@@ -210,6 +249,9 @@ def main() -> None:
     )
     parser.add_argument("--crossover-only", action="store_true",
                         help="only the matmul crossover (fp32, bf16, GGUF blocks)")
+    parser.add_argument("--bf16-blocks", action="store_true",
+                        help="only batch-invariant decode steps reading the blocks as bf16 "
+                             "products against the bf16 kernel (AVX512-BF16)")
     parser.add_argument("--load", action="store_true", help="also time cold and warm loading")
     parser.add_argument("--baseline", action="store_true", help="also time transformers")
     args = parser.parse_args()
@@ -219,6 +261,12 @@ def main() -> None:
     if args.crossover_only:
         with torch.inference_mode():
             report_matmul_crossover()
+        return
+    if args.bf16_blocks:
+        if "avx512" not in cpu_kernels.bf16_linear_paths():
+            raise SystemExit("--bf16-blocks needs the bf16 kernel's AVX512-BF16 path")
+        with torch.inference_mode():
+            report_bf16_blocks_steps(load_gguf(bundled_model_path()))
         return
     print(
         f"torch {torch.__version__}, {torch.get_num_threads()} threads, "

@@ -298,7 +298,7 @@ BLOCK_MAX_ROWS = {"bf16 AMX": 4, "bf16 kernel": 7, "oneDNN": 16}
 # bundled model's decode steps at 256 on 2 Zen 5 cores (AMD EPYC family 26 model 2), alternated
 # in one process, medians of 16 after a 400 MB sweep each: 1 row 3.6-4.0 against 6.2-7.0 ms, 4
 # rows 5.8 against 8.2-8.6, 8 rows 7.8-7.9 against 10.6-10.7, 16 rows 14.3 against 16.1, 24
-# rows 21.4 against 20.5, 32 rows 28.5 against 26.7.
+# rows 21.4 against 20.5, 32 rows 28.5 against 26.7 (bench/model_step.py --bf16-blocks).
 BLOCK_BF16_MAX_ROWS = 16
 
 
