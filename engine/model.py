@@ -303,9 +303,10 @@ BLOCK_BF16_MAX_ROWS = 16
 
 
 class _BlockLinear:
-    """A matmul on a weight's GGUF blocks for up to ``max_rows`` rows, ``dense`` (bf16 kernel or
-    oneDNN) above; ``dense`` None: the blocks for every row count (batch-invariant mode: one
-    arithmetic whatever the batch, unless ``blocks`` computes ``dense``'s bits)."""
+    """A matmul on a weight's GGUF blocks for up to ``max_rows`` rows, ``dense`` above: the bf16
+    kernel, oneDNN, or the blocks again as bf16 products (a _BlockLinear of its own); ``dense``
+    None: the blocks for every row count (batch-invariant mode: one arithmetic whatever the
+    batch, as where ``blocks`` computes ``dense``'s bits)."""
 
     __slots__ = ("blocks", "dense", "in_features", "max_rows", "out_features")
 
@@ -335,12 +336,20 @@ def _streamed_bytes(kernel: Any) -> int:
     return weight.numel() * weight.element_size()
 
 
+def _kernels_of(linear: Any) -> list[Any]:
+    """A model's matmul as the kernels it may run, fewest rows first (a _BlockLinear's tiers)."""
+    kernels = []
+    while isinstance(linear, _BlockLinear):
+        kernels.append(linear.blocks)
+        linear = linear.dense
+    return kernels if linear is None else [*kernels, linear]
+
+
 def _weights_onto_huge_pages(linears: Sequence[Any]) -> None:
     """Move the weights our kernels stream every step (bf16 panels, GGUF blocks) into one
     buffer on 2 MB pages (engine/huge_pages.py); oneDNN keeps its packed weights where it put
     them."""
-    kernels = [k for lin in linears
-               for k in ((lin.blocks, lin.dense) if isinstance(lin, _BlockLinear) else (lin,))]
+    kernels = [k for lin in linears for k in _kernels_of(lin)]
     owners = [(k, "blocks" if isinstance(k, cpu_kernels.QuantLinear) else "packed")
               for k in kernels if isinstance(k, cpu_kernels.Bf16Linear | cpu_kernels.QuantLinear
                                             | cpu_kernels.BlockBf16Linear)]
@@ -418,14 +427,16 @@ class LlamaModel:
         # GGUF blocks where given, on CPU with the kernels, in a float32 model. Batch-invariant
         # mode runs every row of a matmul in one arithmetic: the bf16 kernel's where the CPU has
         # it (on 2 Xeon cores with AMX a layer's four matmuls at 256 rows: 1.8 against the
-        # blocks' 13.6 ms, bench/model_step.py --crossover-only), its AVX512-BF16 bits read from
-        # the blocks for few rows (BlockBf16Linear; AMX's bits differ), else the blocks'.
+        # blocks' 13.6 ms, bench/model_step.py --crossover-only), else the blocks'. Where the
+        # bf16 kernel is AVX512-BF16's, the blocks as bf16 products compute its bits from the
+        # blocks (BlockBf16Linear; AMX's bits differ): the mode's steps of few rows, and with
+        # the mode off the steps between the float32 blocks' limit and theirs.
         bf16_path = cpu_kernels.bf16_linear_paths()[0] if bf16_kernel else None
-        bf16_products = batch_invariant and bf16_path == "avx512"
-        block_max_rows = BLOCK_BF16_MAX_ROWS if bf16_products else BLOCK_MAX_ROWS[
+        as_bf16 = bf16_path == "avx512"
+        block_max_rows = BLOCK_MAX_ROWS[
             {"amx": "bf16 AMX", "avx512": "bf16 kernel", None: "oneDNN"}[bf16_path]]
         use_blocks = self._kernels and dtype == torch.float32 and (
-            bf16_products or not (batch_invariant and bf16_kernel))
+            as_bf16 or not (batch_invariant and bf16_kernel))
         quantized = (quantized or {}) if use_blocks else {}
         block_formats: set[str] = set()
 
@@ -434,8 +445,11 @@ class LlamaModel:
             if linear is None:
                 return dense
             block_formats.add(quantized[names[0]].qtype)
-            if bf16_products:
-                return _BlockLinear(cpu_kernels.BlockBf16Linear(linear), dense, block_max_rows)
+            if as_bf16:
+                dense = _BlockLinear(cpu_kernels.BlockBf16Linear(linear), dense,
+                                     BLOCK_BF16_MAX_ROWS)
+                if batch_invariant:
+                    return dense
             return _BlockLinear(linear, None if batch_invariant else dense, block_max_rows)
 
         head_name = "model.embed_tokens.weight" if tied else "lm_head.weight"
@@ -479,10 +493,13 @@ class LlamaModel:
         # What the matmuls read: named in benchmark output and receipts' diagnostics
         dense_format = str(self.matmul_dtype).removeprefix("torch.")
         if block_formats:
-            self.weights_format = (f"gguf {'+'.join(sorted(block_formats))} blocks"
-                                   + (" as bf16" if bf16_products else "")
-                                   + ("" if batch_invariant and not bf16_products else
-                                      f" up to {block_max_rows} rows, {dense_format} above"))
+            tiers = [] if batch_invariant else [f"up to {block_max_rows} rows"]
+            if as_bf16:
+                tiers.append(f"as bf16 up to {BLOCK_BF16_MAX_ROWS}"
+                             + (" rows" if batch_invariant else ""))
+            read = f"gguf {'+'.join(sorted(block_formats))} blocks"
+            self.weights_format = (f"{read} {', '.join(tiers)}, {dense_format} above" if tiers
+                                   else read)
         else:
             self.weights_format = dense_format
 
@@ -513,8 +530,8 @@ class LlamaModel:
     def _build_block_stacks(self) -> list[tuple[float, cpu_kernels.BlockStack]]:
         """The layers as one kernel call (cpu_kernels.BlockStack) for the steps whose every
         matmul runs on our kernels, each with the most rows a step may have for it: the GGUF
-        blocks up to their limit, the bf16 kernel for any number (above the blocks' limit where
-        there are both). Measured on the 2-core AVX2 kind (AMD EPYC, family 23 model 1), a
+        blocks up to their limit (float32 products, then bf16 ones, where there are both), the
+        bf16 kernel for any number above. Measured on the 2-core AVX2 kind (AMD EPYC, family 23 model 1), a
         batch-1 decode step of the bundled model, median of 100 steps in four runs: 24.0-26.9 ms
         with a Python call per kernel, 21.1-22.1 ms in one call; 8 rows 72-76 against 68-69 ms."""
         if self._kernel_ops is None or self.dtype != torch.float32:
@@ -522,7 +539,7 @@ class LlamaModel:
         linears = [lin for layer in self.layers
                    for lin in (layer.qkv, layer.o, layer.gate_up, layer.down)]
         stacks: list[tuple[float, list[Any]]] = []
-        if all(isinstance(lin, _BlockLinear) for lin in linears):
+        while all(isinstance(lin, _BlockLinear) for lin in linears):  # tier by tier
             max_rows = min(math.inf if lin.dense is None else lin.max_rows for lin in linears)
             stacks.append((max_rows, [lin.blocks for lin in linears]))
             linears = [lin.dense for lin in linears]

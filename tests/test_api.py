@@ -373,7 +373,7 @@ def test_receipt_records_the_dtypes_the_engine_runs(api):
     def ran_in(linear) -> str:
         # A GGUF-block matmul computes in float32 (activations and sums); with batch-invariant
         # mode off it hands larger batches to its dense matmul, whose dtype the receipt records.
-        if isinstance(linear, _BlockLinear):
+        while isinstance(linear, _BlockLinear):
             if linear.dense is None:
                 return "float32"
             linear = linear.dense

@@ -4,6 +4,8 @@ Fast tests use a tiny random Llama written as a Hugging Face folder; the slow on
 bundled SmolLM2-135M GGUF and transformers' own GGUF loading of it.
 """
 
+import math
+
 import pytest
 import torch
 from engine_fixtures import (  # noqa: F401 (fixtures)
@@ -21,6 +23,8 @@ from engine_fixtures import (  # noqa: F401 (fixtures)
 
 from engine.loader import load_hf_dir
 from engine.model import (
+    BLOCK_BF16_MAX_ROWS,
+    BLOCK_MAX_ROWS,
     LlamaModel,
     ModelConfig,
     allocate_kv_cache,
@@ -426,3 +430,31 @@ def test_batch_invariant_steps_of_few_rows_read_the_blocks_for_the_bf16_kernels_
     for work in steps:
         assert torch.equal(by_blocks.step(work), by_dense.step(work)), work
     assert counted.calls == 3  # the decode steps
+
+
+@pytest.mark.slow
+def test_with_batch_invariance_off_steps_past_the_float32_blocks_read_them_as_bf16(
+        bundled_checkpoint):
+    """Batch-invariant mode off, on AVX512-BF16: the fewest rows run float32 products on the
+    blocks, then up to BLOCK_BF16_MAX_ROWS the blocks as bf16 products (the bf16 kernel's bits),
+    then the bf16 kernel; a block stack for each."""
+    from engine import cpu_kernels
+
+    if cpu_kernels.bf16_linear_paths()[:1] != ["avx512"]:
+        pytest.skip("the bf16 kernel here is not AVX512-BF16's (AMX, or no bf16 instructions)")
+    c, w = bundled_checkpoint.config, bundled_checkpoint.weights
+    reading = LlamaModel(c, w, matmul_dtype=torch.bfloat16,
+                         quantized=bundled_checkpoint.quantized)
+    dense = LlamaModel(c, w, matmul_dtype=torch.bfloat16)
+    float32_rows = BLOCK_MAX_ROWS["bf16 kernel"]
+    assert reading.weights_format == (f"gguf Q4_1+Q8_0 blocks up to {float32_rows} rows, "
+                                      f"as bf16 up to {BLOCK_BF16_MAX_ROWS}, bfloat16 above")
+    assert [rows for rows, _ in reading.block_stacks] == [float32_rows, BLOCK_BF16_MAX_ROWS,
+                                                          math.inf]
+    tokenizer = bundled_checkpoint.tokenizer
+    prompts = {i: tokenizer.encode_chat(chat(CHAT_PROMPTS[i % len(CHAT_PROMPTS)]))
+               for i in range(12)}
+    by_blocks, by_dense = PagedRunner(reading), PagedRunner(dense)
+    # the prompts (past both limits: the bf16 kernel), then 12 decodes (the blocks as bf16)
+    for work in (list(prompts.items()), [(i, [17]) for i in prompts]):
+        assert torch.equal(by_blocks.step(work), by_dense.step(work))
