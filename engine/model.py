@@ -16,7 +16,7 @@ Matmuls: bf16 ones on CPUs with AVX512-BF16 or AMX run our C++ kernel (float32 r
 cpu_kernels.Bf16Linear, on AMX tiles where the CPU has them); the others go through oneDNN with
 pre-packed weights on CPU (see _Linear). Given a GGUF's blocks (``quantized``), matmuls of few rows read those instead
 (cpu_kernels.QuantLinear: float32 arithmetic on the dequantized weights, a fraction of the bytes;
-in batch-invariant mode on AVX512-BF16, cpu_kernels.BlockBf16Linear: the bf16 kernel's bits;
+on AVX512-BF16 also cpu_kernels.BlockBf16Linear, the bf16 kernel's bits read from the blocks;
 see _BlockLinear). Large freed blocks are kept in the heap (see keep_freed_memory). All measured, not
 guessed: bench/model_step.py and the kernels' comments.
 
@@ -294,7 +294,7 @@ class _Linear:
 # bench/model_step.py measures both).
 BLOCK_MAX_ROWS = {"bf16 AMX": 4, "bf16 kernel": 7, "oneDNN": 16}
 # Most rows a matmul reads the blocks as bf16 products (cpu_kernels.BlockBf16Linear, the bf16
-# kernel's bits: batch-invariant mode on AVX512-BF16) before the bf16 kernel takes over. The
+# kernel's bits, on AVX512-BF16) before the bf16 kernel takes over. The
 # bundled model's decode steps at 256 on 2 Zen 5 cores (AMD EPYC family 26 model 2), alternated
 # in one process, medians of 16 after a 400 MB sweep each: 1 row 3.6-4.0 against 6.2-7.0 ms, 4
 # rows 5.8 against 8.2-8.6, 8 rows 7.8-7.9 against 10.6-10.7, 16 rows 14.3 against 16.1, 24
@@ -531,9 +531,10 @@ class LlamaModel:
         """The layers as one kernel call (cpu_kernels.BlockStack) for the steps whose every
         matmul runs on our kernels, each with the most rows a step may have for it: the GGUF
         blocks up to their limit (float32 products, then bf16 ones, where there are both), the
-        bf16 kernel for any number above. Measured on the 2-core AVX2 kind (AMD EPYC, family 23 model 1), a
-        batch-1 decode step of the bundled model, median of 100 steps in four runs: 24.0-26.9 ms
-        with a Python call per kernel, 21.1-22.1 ms in one call; 8 rows 72-76 against 68-69 ms."""
+        bf16 kernel for any number above. Measured on the 2-core AVX2 kind (AMD EPYC, family 23
+        model 1), a batch-1 decode step of the bundled model, median of 100 steps in four runs:
+        24.0-26.9 ms with a Python call per kernel, 21.1-22.1 ms in one call; 8 rows 72-76
+        against 68-69 ms."""
         if self._kernel_ops is None or self.dtype != torch.float32:
             return []
         linears = [lin for layer in self.layers
