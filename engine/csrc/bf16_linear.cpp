@@ -447,8 +447,8 @@ namespace {
 constexpr int64_t kBlockWeights = 32, kPairsPerBlock = 16;  // a GGUF block: 16 k pairs
 
 int64_t block_record_bytes(int64_t qtype) {
-  if (qtype == 3) return 64 + 8 * 32;  // Q4_1
-  if (qtype == 8) return 32 + 16 * 32;  // Q8_0
+  if (qtype == kGgmlQ4_1) return 64 + 8 * 32;
+  if (qtype == kGgmlQ8_0) return 32 + 16 * 32;
   return 0;
 }
 
@@ -567,9 +567,8 @@ void block_bf16_matmul(const uint32_t* xp, int64_t rows, int64_t pairs, const ui
                        int64_t columns) {
   using Group = void (*)(const uint32_t*, int64_t, const uint8_t*, int64_t, int64_t, float*,
                          int64_t, int64_t);
-  constexpr Group two_panels[5] = {
-      nullptr, block_panel_group<Record, 1, 2>, block_panel_group<Record, 2, 2>,
-      block_panel_group<Record, 3, 2>, block_panel_group<Record, 4, 2>};
+  constexpr Group two_panels[3] = {nullptr, block_panel_group<Record, 1, 2>,
+                                   block_panel_group<Record, 2, 2>};
   constexpr int64_t kRowBlock = 16;
   constexpr Group one_panel[kRowBlock + 1] = {
       nullptr, block_panel_group<Record, 1, 1>, block_panel_group<Record, 2, 1>,
@@ -627,7 +626,7 @@ at::Tensor pack_block_bf16(at::Tensor blocks, int64_t qtype) {
       const uint8_t* blk = in + (col * num_blocks + b) * block_bytes;
       uint8_t* rec = out + ((col / kPanel) * num_blocks + b) * record_bytes;
       std::memcpy(rec + 2 * c, blk, 2);  // d
-      if (qtype == 3) {
+      if (qtype == kGgmlQ4_1) {
         std::memcpy(rec + 32 + 2 * c, blk + 2, 2);  // m
         // the block's weights unpacked first: GCC 12.2 at -O3 vectorized a lookup picking the
         // low or high nibble per k into wrong bytes
@@ -667,7 +666,7 @@ at::Tensor block_bf16_linear(at::Tensor x, at::Tensor packed, int64_t qtype, int
   const int64_t pairs = k / 2;
   const uint32_t* xp = reinterpret_cast<const uint32_t*>(bf16_rows(x, rows, k));
   const uint8_t* wp = packed.data_ptr<uint8_t>();
-  if (qtype == 3)
+  if (qtype == kGgmlQ4_1)
     block_bf16_matmul<Q4_1Record>(xp, rows, pairs, wp, num_panels, blocks, record_bytes,
                                   out.data_ptr<float>(), columns);
   else

@@ -96,6 +96,9 @@ at::Tensor rope_write(at::Tensor qkv, at::Tensor cos_sin, at::Tensor positions,
                       const std::string& path);
 at::Tensor silu_mul(at::Tensor gate_up, const std::string& path);
 
+// ggml's numbers of the GGUF block types the kernels read
+constexpr int64_t kGgmlQ4_1 = 3, kGgmlQ8_0 = 8;
+
 int64_t quant_block_bytes(int64_t qtype);
 at::Tensor quant_linear(at::Tensor x, at::Tensor blocks, int64_t qtype,
                         const std::string& path);

@@ -33,10 +33,10 @@ constexpr int64_t kBlock = 32;  // weights per GGUF block (both types)
 
 // ggml's type numbers and block sizes
 struct Q4_1 {
-  static constexpr int64_t kType = 3, kBytes = 20;  // fp16 d, fp16 m, 16 bytes: q[j] low nibble,
+  static constexpr int64_t kType = kGgmlQ4_1, kBytes = 20;  // fp16 d, fp16 m, 16 bytes: q[j] low nibble,
 };                                                    // q[j + 16] high nibble of byte j
 struct Q8_0 {
-  static constexpr int64_t kType = 8, kBytes = 34;  // fp16 d, 32 int8
+  static constexpr int64_t kType = kGgmlQ8_0, kBytes = 34;  // fp16 d, 32 int8
 };
 
 inline uint16_t bits16(const uint8_t* p) {
