@@ -42,6 +42,7 @@ from several). The bf16 matmul kernel and the fused layer ops are row-invariant 
 from __future__ import annotations
 
 import ctypes
+import functools
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -294,12 +295,37 @@ class _Linear:
 # bench/model_step.py measures both).
 BLOCK_MAX_ROWS = {"bf16 AMX": 4, "bf16 kernel": 7, "oneDNN": 16}
 # Most rows a matmul reads the blocks as bf16 products (cpu_kernels.BlockBf16Linear, the bf16
-# kernel's bits, on AVX512-BF16) before the bf16 kernel takes over. The
-# bundled model's decode steps at 256 on 2 Zen 5 cores (AMD EPYC family 26 model 2), alternated
-# in one process, medians of 16 after a 400 MB sweep each: 1 row 3.6-4.0 against 6.2-7.0 ms, 4
-# rows 5.8 against 8.2-8.6, 8 rows 7.8-7.9 against 10.6-10.7, 16 rows 14.3 against 16.1, 24
-# rows 21.4 against 20.5, 32 rows 28.5 against 26.7 (bench/model_step.py --bf16-blocks).
-BLOCK_BF16_MAX_ROWS = 16
+# kernel's bits, on AVX512-BF16) before the bf16 kernel takes over, by how the CPU runs 512-bit
+# instructions. The bundled model's decode steps at 256, alternated in one process, medians of
+# 16 after a 400 MB sweep each (bench/model_step.py --bf16-blocks): on 2 Zen 5 cores (AMD EPYC
+# family 26 model 2, 512 bits at once) 1 row 3.6-4.0 against 6.2-7.0 ms, 4 rows 5.8 against
+# 8.2-8.6, 8 rows 7.8-7.9 against 10.6-10.7, 16 rows 14.3 against 16.1, 24 rows 21.4 against
+# 20.5, 32 rows 28.5 against 26.7. Zen 4 (family 25) runs each as two 256-bit halves, so the
+# dequantizing costs twice as long beside the same memory: on 2 Zen 4 cores (model 17), three
+# runs, 1 row 6.2-6.5 against 6.6-8.9, 4 rows 8.3-9.3 against 9.7-10.6, 8 rows 13.0-14.3
+# against 14.2-14.7, 12 rows 19.7-20.0 against 17.4-19.1, 16 rows 23.0-25.9 against 22.4-23.5.
+BLOCK_BF16_MAX_ROWS = {"512-bit units": 16, "Zen 4": 8}
+
+
+def cpu_is_zen4(cpuinfo: str) -> bool:
+    """Whether /proc/cpuinfo's text names an AMD family 25 (Zen 3 and Zen 4; of those only Zen 4
+    has the AVX512-BF16 that the blocks as bf16 products need)."""
+    fields: dict[str, str] = {}
+    for line in cpuinfo.splitlines():
+        key, _, value = line.partition(":")
+        fields.setdefault(key.strip(), value.strip())  # the first processor's
+    return fields.get("vendor_id") == "AuthenticAMD" and fields.get("cpu family") == "25"
+
+
+@functools.cache
+def block_bf16_max_rows() -> int:
+    """BLOCK_BF16_MAX_ROWS for this CPU."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            zen4 = cpu_is_zen4(f.read())
+    except OSError:
+        zen4 = False
+    return BLOCK_BF16_MAX_ROWS["Zen 4" if zen4 else "512-bit units"]
 
 
 class _BlockLinear:
@@ -447,7 +473,7 @@ class LlamaModel:
             block_formats.add(quantized[names[0]].qtype)
             if as_bf16:
                 dense = _BlockLinear(cpu_kernels.BlockBf16Linear(linear), dense,
-                                     BLOCK_BF16_MAX_ROWS)
+                                     block_bf16_max_rows())
                 if batch_invariant:
                     return dense
             return _BlockLinear(linear, None if batch_invariant else dense, block_max_rows)
@@ -495,7 +521,7 @@ class LlamaModel:
         if block_formats:
             tiers = [] if batch_invariant else [f"up to {block_max_rows} rows"]
             if as_bf16:
-                tiers.append(f"as bf16 up to {BLOCK_BF16_MAX_ROWS}"
+                tiers.append(f"as bf16 up to {block_bf16_max_rows()}"
                              + (" rows" if batch_invariant else ""))
             read = f"gguf {'+'.join(sorted(block_formats))} blocks"
             self.weights_format = (f"{read} {', '.join(tiers)}, {dense_format} above" if tiers

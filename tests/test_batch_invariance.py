@@ -21,9 +21,9 @@ from engine import EngineConfig, LLMEngine, SamplingParams
 from engine.batch_invariant import PROBE_ROWS, make_linears_invariant
 from engine.cpu_kernels import bf16_linear_paths
 from engine.model import (
-    BLOCK_BF16_MAX_ROWS,
     LlamaModel,
     _Linear,
+    block_bf16_max_rows,
     default_kv_cache_dtype,
     default_matmul_dtype,
 )
@@ -65,7 +65,7 @@ class Runs:
         if batch_invariant:
             paths = bf16_linear_paths()
             one_arithmetic = ("bfloat16" if paths[:1] == ["amx"] else
-                              f"gguf Q4_1+Q8_0 blocks as bf16 up to {BLOCK_BF16_MAX_ROWS} rows, "
+                              f"gguf Q4_1+Q8_0 blocks as bf16 up to {block_bf16_max_rows()} rows, "
                               "bfloat16 above" if paths else "gguf Q4_1+Q8_0 blocks")
             assert self.model.weights_format == one_arithmetic
         self.kv_cache = self.model.allocate_kv_cache(

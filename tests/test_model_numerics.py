@@ -23,11 +23,12 @@ from engine_fixtures import (  # noqa: F401 (fixtures)
 
 from engine.loader import load_hf_dir
 from engine.model import (
-    BLOCK_BF16_MAX_ROWS,
     BLOCK_MAX_ROWS,
     LlamaModel,
     ModelConfig,
     allocate_kv_cache,
+    block_bf16_max_rows,
+    cpu_is_zen4,
     default_matmul_dtype,
     native_bf16,
     rope_inv_freq,
@@ -433,10 +434,22 @@ def test_batch_invariant_steps_of_few_rows_read_the_blocks_for_the_bf16_kernels_
 
 
 @pytest.mark.slow
+def test_zen4_is_told_by_vendor_and_family():
+    """Zen 4 reads the blocks as bf16 for fewer rows: told from /proc/cpuinfo's first processor."""
+    def cpuinfo(vendor, family):
+        return (f"processor\t: 0\nvendor_id\t: {vendor}\ncpu family\t: {family}\n"
+                f"model\t\t: 17\n\nprocessor\t: 1\nvendor_id\t: GenuineIntel\n")
+
+    assert cpu_is_zen4(cpuinfo("AuthenticAMD", 25))
+    assert not cpu_is_zen4(cpuinfo("AuthenticAMD", 26))  # Zen 5
+    assert not cpu_is_zen4(cpuinfo("GenuineIntel", 25))
+    assert not cpu_is_zen4("")
+
+
 def test_with_batch_invariance_off_steps_past_the_float32_blocks_read_them_as_bf16(
         bundled_checkpoint):
     """Batch-invariant mode off, on AVX512-BF16: the fewest rows run float32 products on the
-    blocks, then up to BLOCK_BF16_MAX_ROWS the blocks as bf16 products (the bf16 kernel's bits),
+    blocks, then up to block_bf16_max_rows() the blocks as bf16 products (the bf16 kernel's bits),
     then the bf16 kernel; a block stack for each."""
     from engine import cpu_kernels
 
@@ -446,15 +459,14 @@ def test_with_batch_invariance_off_steps_past_the_float32_blocks_read_them_as_bf
     reading = LlamaModel(c, w, matmul_dtype=torch.bfloat16,
                          quantized=bundled_checkpoint.quantized)
     dense = LlamaModel(c, w, matmul_dtype=torch.bfloat16)
-    float32_rows = BLOCK_MAX_ROWS["bf16 kernel"]
+    float32_rows, as_bf16_rows = BLOCK_MAX_ROWS["bf16 kernel"], block_bf16_max_rows()
     assert reading.weights_format == (f"gguf Q4_1+Q8_0 blocks up to {float32_rows} rows, "
-                                      f"as bf16 up to {BLOCK_BF16_MAX_ROWS}, bfloat16 above")
-    assert [rows for rows, _ in reading.block_stacks] == [float32_rows, BLOCK_BF16_MAX_ROWS,
-                                                          math.inf]
+                                      f"as bf16 up to {as_bf16_rows}, bfloat16 above")
+    assert [rows for rows, _ in reading.block_stacks] == [float32_rows, as_bf16_rows, math.inf]
     tokenizer = bundled_checkpoint.tokenizer
     prompts = {i: tokenizer.encode_chat(chat(CHAT_PROMPTS[i % len(CHAT_PROMPTS)]))
-               for i in range(12)}
+               for i in range(as_bf16_rows)}
     by_blocks, by_dense = PagedRunner(reading), PagedRunner(dense)
-    # the prompts (past both limits: the bf16 kernel), then 12 decodes (the blocks as bf16)
+    # the prompts (past both limits: the bf16 kernel), then a decode each (the blocks as bf16)
     for work in (list(prompts.items()), [(i, [17]) for i in prompts]):
         assert torch.equal(by_blocks.step(work), by_dense.step(work))

@@ -428,9 +428,9 @@ at::Tensor bf16_linear(at::Tensor x, at::Tensor packed, int64_t columns,
 // as vcvtne2ps2bf16 rounds; with fp16 d and m a weight is 0 or at least 2^-24 in magnitude,
 // never a denormal, which that instruction would flush) is what pack_bf16_weight stores: a
 // step may take either kernel for any row and the answer's bits are the same. Batch-invariant
-// mode thus reads the blocks for decode steps of up to 16 rows on CPUs without AMX: the bundled
-// model's batch-1 decode 3.6-4.0 ms against 6.2-7.0 on the bf16 kernel (2 Zen 5 cores;
-// engine/model.py BLOCK_BF16_MAX_ROWS).
+// mode thus reads the blocks for decode steps of up to 16 rows (8 on Zen 4) on CPUs without AMX:
+// the bundled model's batch-1 decode 3.6-4.0 ms against 6.2-7.0 on the bf16 kernel (2 Zen 5
+// cores; engine/model.py BLOCK_BF16_MAX_ROWS).
 //
 // Blocks are repacked once (pack_block_bf16) into records of one 16-column panel by one
 // 32-weight block, each k pair's 32 weights in the lanes vdpbf16ps reads: per 32-bit lane i < 8
