@@ -433,7 +433,6 @@ def test_batch_invariant_steps_of_few_rows_read_the_blocks_for_the_bf16_kernels_
     assert counted.calls == 3  # the decode steps
 
 
-@pytest.mark.slow
 def test_zen4_is_told_by_vendor_and_family():
     """Zen 4 reads the blocks as bf16 for fewer rows: told from /proc/cpuinfo's first processor."""
     def cpuinfo(vendor, family):
@@ -446,6 +445,7 @@ def test_zen4_is_told_by_vendor_and_family():
     assert not cpu_is_zen4("")
 
 
+@pytest.mark.slow
 def test_with_batch_invariance_off_steps_past_the_float32_blocks_read_them_as_bf16(
         bundled_checkpoint):
     """Batch-invariant mode off, on AVX512-BF16: the fewest rows run float32 products on the
