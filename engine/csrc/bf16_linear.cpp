@@ -517,7 +517,7 @@ struct Q8_0Record {
 // panel of the bundled model is 18-48 records, so each group began with all but one stream cold.
 // Against asks that ran on into the next panel (2 Zen 5 cores, family 26 model 2, weights on
 // huge pages, alternated builds): a 3,072 x 576 Q4_1 matmul at one row out of cache 27.2-27.6
-// against 34.3-36.1 us (in cache 24.0-24.6 either way); the 120 decoder matmuls and the Q8_0 LM
+// against 34.3-36.1 us (in cache 23.9-25.6 either way); the 120 decoder matmuls and the Q8_0 LM
 // head 2.20-2.40 against 2.65-2.71 ms at one row, 2.89-3.03 against 3.40-3.84 at two, even at 8
 // and 16 (4.37-4.97 against 4.41-4.66, 7.20-8.08 against 7.30-8.16); the engine's batch-1 decode
 // after a 128-token prompt 2.94-3.14 against 3.37-3.73 ms (three alternations).
