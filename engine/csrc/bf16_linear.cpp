@@ -540,9 +540,11 @@ void block_panel_group(const uint32_t* x, int64_t pairs, const uint8_t* records,
       rec[j] = records + (j * blocks + b) * record_bytes;
       scales[j].load(rec[j]);
       const int64_t ahead = b + kAheadRecords;
-      const uint8_t* ask = ahead < blocks ? rec[j] + kAheadRecords * record_bytes
-                           : j < next_panels ? next + (j * blocks + ahead - blocks) * record_bytes
-                                             : nullptr;
+      const uint8_t* ask =
+          ahead < blocks ? rec[j] + kAheadRecords * record_bytes
+          : j < next_panels && ahead < 2 * blocks  // panels shorter than the asks' reach
+              ? next + (j * blocks + ahead - blocks) * record_bytes
+              : nullptr;
       if (ask != nullptr)
         for (int64_t line = 0; line < record_bytes; line += 64)
           _mm_prefetch(reinterpret_cast<const char*>(ask + line), _MM_HINT_T0);
