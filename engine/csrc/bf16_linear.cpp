@@ -513,8 +513,9 @@ struct Q8_0Record {
 // 3.78-3.79 against 3.41-3.45, 4 ahead 3.52-3.65 against 3.29-3.48, 8 ahead 3.93-4.06 against
 // 3.47-3.65. Each panel's records are one stream, but the hardware's prefetchers stop at pages.
 // A panel's last records ask for the first ones of the same panel in the thread's next group
-// (`next`, `next_panels` of them), not of the panel after it, which this group reads already: a
-// panel of the bundled model is 18-48 records, so each group began with all but one stream cold.
+// (the `next_panels` panels right after this group's), not of the panel after it, which this
+// group reads already: a panel of the bundled model is 18-48 records, so each group began with
+// all but one stream cold.
 // Against asks that ran on into the next panel (2 Zen 5 cores, family 26 model 2, weights on
 // huge pages, alternated builds): a 3,072 x 576 Q4_1 matmul at one row out of cache 27.2-27.6
 // against 34.3-36.1 us (in cache 23.9-25.6 either way); the 120 decoder matmuls and the Q8_0 LM
@@ -524,12 +525,12 @@ struct Q8_0Record {
 constexpr int64_t kAheadRecords = 4;
 
 // kRows rows of x (bf16 pairs, `pairs` a row) times kPanels panels of records from `records`
-// (`blocks` records a panel) into out[rows][columns] from column `first`; the records after
-// them in this thread's order are `next_panels` panels from `next`.
+// (`blocks` records a panel) into out[rows][columns] from column `first`; the thread's next
+// group is the `next_panels` panels that follow them.
 template <class Record, int kRows, int kPanels>
 void block_panel_group(const uint32_t* x, int64_t pairs, const uint8_t* records,
                        int64_t blocks, int64_t record_bytes, float* out, int64_t columns,
-                       int64_t first, const uint8_t* next, int64_t next_panels) {
+                       int64_t first, int64_t next_panels) {
   __m512 acc[kRows][kPanels];
   for (int r = 0; r < kRows; ++r)
     for (int j = 0; j < kPanels; ++j) acc[r][j] = _mm512_setzero_ps();
@@ -543,7 +544,7 @@ void block_panel_group(const uint32_t* x, int64_t pairs, const uint8_t* records,
       const uint8_t* ask =
           ahead < blocks ? rec[j] + kAheadRecords * record_bytes
           : j < next_panels && ahead < 2 * blocks  // panels shorter than the asks' reach
-              ? next + (j * blocks + ahead - blocks) * record_bytes
+              ? records + ((kPanels + j) * blocks + ahead - blocks) * record_bytes
               : nullptr;
       if (ask != nullptr)
         for (int64_t line = 0; line < record_bytes; line += 64)
@@ -582,7 +583,7 @@ void block_bf16_matmul(const uint32_t* xp, int64_t rows, int64_t pairs, const ui
                        int64_t num_panels, int64_t blocks, int64_t record_bytes, float* op,
                        int64_t columns) {
   using Group = void (*)(const uint32_t*, int64_t, const uint8_t*, int64_t, int64_t, float*,
-                         int64_t, int64_t, const uint8_t*, int64_t);
+                         int64_t, int64_t, int64_t);
   constexpr Group two_panels[3] = {nullptr, block_panel_group<Record, 1, 2>,
                                    block_panel_group<Record, 2, 2>};
   constexpr int64_t kRowBlock = 16;
@@ -601,19 +602,17 @@ void block_bf16_matmul(const uint32_t* xp, int64_t rows, int64_t pairs, const ui
     for (int64_t p = 2 * begin, group; p < last; p += group) {
       const uint8_t* w = wp + p * panel_bytes;
       group = rows == 1 && p + 4 <= last ? 4 : rows <= 2 && p + 2 <= last ? 2 : 1;
-      const uint8_t* next = w + group * panel_bytes;
       const int64_t next_panels = std::min<int64_t>(group, last - p - group);
       if (group == 4) {
         block_panel_group<Record, 1, 4>(xp, pairs, w, blocks, record_bytes, op, columns,
-                                        p * kPanel, next, next_panels);
+                                        p * kPanel, next_panels);
       } else if (group == 2) {
-        two_panels[rows](xp, pairs, w, blocks, record_bytes, op, columns, p * kPanel, next,
-                         next_panels);
+        two_panels[rows](xp, pairs, w, blocks, record_bytes, op, columns, p * kPanel, next_panels);
       } else {
         for (int64_t r = 0; r < rows; r += kRowBlock)
           one_panel[std::min(kRowBlock, rows - r)](xp + r * pairs, pairs, w, blocks,
                                                    record_bytes, op + r * columns, columns,
-                                                   p * kPanel, next, next_panels);
+                                                   p * kPanel, next_panels);
       }
     }
   });
