@@ -390,3 +390,38 @@ def test_receipt_records_the_dtypes_the_engine_runs(api):
 
 def dtype_name(dtype) -> str:
     return str(dtype).removeprefix("torch.")
+
+
+def test_a_running_gateway_keeps_what_startup_made_out_of_garbage_collections(tmp_path):
+    """A full collection walks every object the collector tracks while all threads wait on it:
+    what startup loaded stays out of its walk while the app runs, and is back when it stops."""
+    import gc
+
+    from fastapi.testclient import TestClient
+
+    from gateway.app import create_app
+    from gateway.settings import ServerSettings
+    from provenance.migrate import ensure_schema
+
+    class Loaded:
+        tracer = None
+
+        def __init__(self):
+            self.model = [[layer] for layer in range(100)]  # startup's long-lived objects
+
+        async def start(self): ...
+
+        async def stop(self): ...
+
+    def tracked(obj) -> bool:
+        return any(o is obj for o in gc.get_objects())
+
+    settings = ServerSettings(data_dir=tmp_path, database_url="", qdrant_url="", redis_url="")
+    ensure_schema(settings.sqlalchemy_url)
+    services = Loaded()
+    assert tracked(services.model)
+    with TestClient(create_app(settings, services_factory=lambda s, r: services)):
+        assert not tracked(services.model)
+        assert gc.get_freeze_count() > 0
+    assert tracked(services.model)
+    assert gc.get_freeze_count() == 0
