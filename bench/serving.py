@@ -51,6 +51,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import gc
 import json
 import random
 import statistics
@@ -391,6 +392,11 @@ def main() -> None:
             vllm_settings = {"VLLM_CPU_KVCACHE_SPACE": str(args.kv_cache_gib)}
             targets["vllm"] = Target("vllm", servers.enter_context(
                 vllm_server(data_dir / "vllm.log", vllm_settings)).base_url, "smollm2", {}, {})
+        # This client's own heap (torch and the loaders, imported to size prompts) stays out of
+        # its garbage collections: a full one took 205-300 ms here, a stall of every stream's
+        # reads that would land in whichever server's round it fell (Zen 3 kind).
+        gc.collect()
+        gc.freeze()
         # Unmeasured warm-up under the same load, so neither server's start-up costs land in a
         # round. (On the Xeon kind vLLM's first measured round stayed slow even after it: 68.5
         # against 171.3 out tok/s in its second; the host itself moves runs by 2x there.)
