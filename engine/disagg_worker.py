@@ -155,7 +155,7 @@ def worker_main(spec: WorkerSpec, conn, heartbeat: Heartbeat) -> None:
     try:
         worker = Worker(spec, conn, heartbeat)
         # The loaded model and modules stay out of every garbage collection's walk, which would
-        # stop the worker's steps (a full one took 300-310 ms in a gateway with the same model).
+        # stop the worker's steps (a full one took 303-313 ms in a gateway with the same model).
         gc.collect()
         gc.freeze()
         worker.run()

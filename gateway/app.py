@@ -70,8 +70,8 @@ def create_app(
         await app.state.services.start()
         # What startup made lives as long as the process (the model, tokenizers, modules: about
         # 475,000 objects), and a full collection walks all of it while every thread waits for
-        # the GIL: 300-310 ms after 30 answers (Zen 3 kind), a stall of every stream. Frozen,
-        # they are out of every collection's walk: the same full collection took 0.7-1.9 ms.
+        # the GIL: 303-313 ms after 30 answers (Zen 3 kind), a stall of every stream. Frozen,
+        # they are out of every collection's walk: the same full collection took 0.65-1.9 ms.
         gc.collect()
         gc.freeze()
         try:
