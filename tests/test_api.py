@@ -1,5 +1,6 @@
 """The chat API through the official openai client, receipts, auth, tenancy and bad input."""
 
+import gc
 import json
 import threading
 import time
@@ -7,13 +8,17 @@ import time
 import pytest
 from api_support import api  # noqa: F401  (fixture)
 from blake3 import blake3
+from fastapi.testclient import TestClient
 from openai import OpenAI
 from rfc6962 import h_leaf, root_from_path, roots_from_consistency
 
 from engine.cpu_kernels import Bf16Linear
 from engine.model import _BlockLinear, native_bf16
+from gateway.app import create_app
+from gateway.settings import ServerSettings
 from provenance.db import session_scope
 from provenance.hashing import canonical_json
+from provenance.migrate import ensure_schema
 from provenance.models import AuditLeaf, Receipt
 
 pytestmark = pytest.mark.slow
@@ -395,13 +400,6 @@ def dtype_name(dtype) -> str:
 def test_a_running_gateway_keeps_what_startup_made_out_of_garbage_collections(tmp_path):
     """A full collection walks every object the collector tracks while all threads wait on it:
     what startup loaded stays out of its walk while the app runs, and is back when it stops."""
-    import gc
-
-    from fastapi.testclient import TestClient
-
-    from gateway.app import create_app
-    from gateway.settings import ServerSettings
-    from provenance.migrate import ensure_schema
 
     class Loaded:
         tracer = None
