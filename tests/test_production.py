@@ -198,7 +198,7 @@ def test_two_replicas_and_a_worker_share_nothing_but_the_databases(deployment, p
     current = deprecated.json()["epoch"]
     assert current > ingested
     for name in ("api-a", "api-b", "worker"):
-        # os.walk, not rglob: the running replicas' index renames its temporary files meanwhile,
+        # os.walk, not rglob: the running replicas' index renames its temporary folders away,
         # and a folder gone between listing and reading must not fail the walk.
         held = [f for _, _, files in os.walk(deployment.root / name) for f in files]
         assert not any(f.endswith(".md") for f in held), f"{name} holds corpus files"
