@@ -24,6 +24,10 @@ def run_migrations_online() -> None:
 
         connectable = create_engine(url, poolclass=pool.NullPool)
     with connectable.connect() as connection:
+        # A migration reads, then writes: on SQLite it takes the write lock as it begins, or a
+        # commit by another connection in between (the WAL checkpointer's) fails its first write
+        # at once with "database is locked" (provenance.db's begin listener; ignored elsewhere).
+        connection = connection.execution_options(sqlite_write=True)
         # Batch mode lets ALTER-style migrations run on SQLite too.
         context.configure(connection=connection, target_metadata=Base.metadata, render_as_batch=True)
         with context.begin_transaction():

@@ -1,16 +1,18 @@
 """The Alembic chain runs up and down on SQLite and on PostgreSQL and matches the models."""
 
 import multiprocessing
+import sqlite3
+from contextlib import closing, suppress
 from datetime import UTC, datetime, timedelta
 
 import pytest
 import sqlalchemy as sa
 from alembic.autogenerate import compare_metadata
 from alembic.migration import MigrationContext
-from sqlalchemy import inspect
+from sqlalchemy import event, inspect
 
 from provenance import audit_log, merkle, migrate, truth
-from provenance.db import get_engine, session_scope
+from provenance.db import _restart_wal, get_engine, session_scope
 from provenance.models import Base, EpochCounter, Receipt
 from provenance.settings import Settings, get_settings
 
@@ -225,3 +227,27 @@ def test_a_receipts_index_build_cut_short_is_replaced_by_the_rerun(pg_url):
         assert connection.scalar(sa.text(
             "SELECT indisvalid FROM pg_index WHERE indexrelid = 'ix_receipts_tenant_created'::regclass"
         ))
+
+
+def test_a_migration_on_sqlite_is_not_failed_by_the_wal_restart_of_the_checkpointer(tmp_path):
+    """The engine's WAL checkpointer writes (it restarts the emptied log) whenever it finds the
+    log copied back, which a migration's commits make it do mid-chain. SQLite fails, at once, a
+    transaction that read and then writes once another connection committed meanwhile
+    ("database is locked"): a migration takes the write lock as it begins, so the restart waits
+    its turn instead (it gives up and tries again later)."""
+    path = tmp_path / "inherent.db"
+    url = f"sqlite:///{path}"
+    migrate.upgrade(url, "0005_uploads")
+    engine = get_engine(url)
+
+    def restart_the_log(connection, cursor, statement, *args) -> None:
+        if statement.startswith("CREATE INDEX ix_receipts_tenant_created"):
+            with closing(sqlite3.connect(path)) as other, suppress(sqlite3.OperationalError):
+                _restart_wal(other)  # what WalCheckpointer runs on its own thread
+
+    event.listen(engine, "before_cursor_execute", restart_the_log)
+    try:
+        migrate.upgrade(url)
+    finally:
+        event.remove(engine, "before_cursor_execute", restart_the_log)
+    assert migrate.current_revision(url) == migrate.head_revision(url)
